@@ -1,0 +1,362 @@
+"""Bytes each device sends per step, read from the optimized HLO text of a compiled XLA program.
+
+Why: the planner predicts communication, and every prediction must be checkable (DESIGN.md).
+`compiled.cost_analysis()` reports no collective bytes and undercounts loop bodies, so we parse
+`compiled.as_text()` ourselves: find every collective, size its buffers, apply the ring formula
+for its replica-group size N, and multiply by the trip counts of the while loops around it.
+
+Ring formulas (S = bytes of one device's buffer):
+  all-reduce 2(N-1)/N*S · all-gather (N-1)/N*S_out · reduce-scatter (N-1)/N*S_in ·
+  all-to-all (N-1)/N*S · collective-permute S.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_OPCODES = {k: k for k in KINDS} | {k + "-start": k for k in KINDS}
+
+_DTYPE_BITS = {"pred": 8, "token": 0, "bf16": 16, "tf32": 32, "c64": 64, "c128": 128}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_FLIP = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
+_LOOP = ("loop",)  # symbolic value of a while loop's state tuple
+
+
+def _dtype_bits(dtype: str) -> int:
+    if dtype in _DTYPE_BITS:
+        return _DTYPE_BITS[dtype]
+    m = re.fullmatch(r"[suf](\d+)(?:e\d+m\d+\w*)?", dtype)  # s32, u4, f16, f8e4m3fn, f4e2m1fn ...
+    if not m:
+        raise ValueError(f"unknown HLO element type {dtype!r}")
+    return int(m.group(1))
+
+
+def shape_bytes(shape_text: str) -> int:
+    """Bytes of an HLO shape: an array ("f32[8,128]{1,0}", "pred[]") or a tuple of them (summed)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape_text):
+        n = math.prod(int(d.replace("<=", "")) for d in dims.split(",") if d.strip())
+        total += math.ceil(n * _dtype_bits(dtype) / 8)
+    return total
+
+
+@dataclass
+class CollectiveOp:
+    """One collective instruction; `sent_bytes` is per execution, `multiplier` executions per step."""
+    kind: str
+    name: str
+    shape: str
+    bytes: int  # the S of the ring formula
+    group_size: int
+    multiplier: int
+    sent_bytes: float
+    computation: str
+
+    @property
+    def total_sent_bytes(self) -> float:
+        return self.sent_bytes * self.multiplier
+
+
+@dataclass
+class CollectiveStats:
+    """Per-device bytes sent per step (all loop iterations included), by collective kind."""
+    bytes_by_kind: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k in KINDS})
+    count_by_kind: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
+    ops: list[CollectiveOp] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(self.bytes_by_kind.values())
+
+    def summary(self) -> str:
+        rows = [f"{'collective':<20}{'count':>8}{'bytes/device':>16}"]
+        rows += [f"{k:<20}{self.count_by_kind[k]:>8}{self.bytes_by_kind[k]:>16,.0f}"
+                 for k in KINDS if self.count_by_kind[k]]
+        rows.append(f"{'total':<20}{sum(self.count_by_kind.values()):>8}{self.total_bytes:>16,.0f}")
+        return "\n".join(rows + [f"warning: {w}" for w in self.warnings])
+
+
+@dataclass
+class _Instr:
+    name: str
+    shape: str
+    opcode: str
+    args: str  # raw text between the opcode's parentheses
+    operands: list[tuple[str, str | None]]  # (name, inline shape or None)
+    attrs: str  # attributes with double-quoted strings blanked out
+    raw_attrs: str
+    callees: list[tuple[str, str]]  # (attribute, computation)
+
+
+def _close(s: str, i: int) -> int:
+    """Index just past the bracket that closes s[i]."""
+    depth = 0
+    for j in range(i, len(s)):
+        if s[j] in "([{":
+            depth += 1
+        elif s[j] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    raise ValueError(f"unbalanced brackets in {s!r}")
+
+
+_CALL_ATTR = re.compile(r"\b(calls|to_apply|body|condition|branch_computations|true_computation|"
+                        r"false_computation|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+
+
+_OPERAND = re.compile(r"(?:([a-z]\w*\[[^\]]*\](?:\{[^}]*\})?)\s+)?%([\w.\-]+)")
+
+
+def _parse_instr(line: str) -> _Instr | None:
+    """One `[ROOT] %name = shape opcode(operands), attrs` line; None if it is not one."""
+    m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    try:
+        end = _close(rest, 0) if rest.startswith("(") else len(rest.split(" ", 1)[0])
+        shape, rest = rest[:end], rest[end:].lstrip()
+        op = re.match(r"([\w\-]+)\(", rest)
+        close = _close(rest, op.end() - 1) if op else 0
+    except ValueError:
+        return None
+    if not op:
+        return None
+    args = re.sub(r"/\*.*?\*/", "", rest[op.end():close - 1])
+    operands = [(name, shp or None) for shp, name in _OPERAND.findall(args)]
+    raw = rest[close:]
+    attrs = re.sub(r'"(?:[^"\\]|\\.)*"', '""', raw)
+    callees = [(a, c.strip().lstrip("%")) for a, v in _CALL_ATTR.findall(attrs)
+               for c in v.strip("{}").split(",") if c.strip()]
+    return _Instr(m.group(1), shape, op.group(1), args, operands, attrs, raw, callees)
+
+
+class _Module:
+    """Computations of one HLO module, plus the symbolic evaluation used to find trip counts."""
+
+    def __init__(self, text: str):
+        self.comps: dict[str, dict[str, _Instr]] = {}
+        self.roots: dict[str, str] = {}
+        self.entry: str | None = None
+        header = re.search(r"^HloModule\b.*$", text, re.M)
+        found = re.findall(r"\b(?:num_partitions|replica_count)=(\d+)", header[0] if header else "")
+        self.num_devices = math.prod(map(int, found)) if found else None  # partitions x replicas
+        current = None
+        for line in text.splitlines():
+            if line and not line[0].isspace() and line.rstrip().endswith("{"):
+                m = re.match(r"(ENTRY\s+)?%?([\w.\-]+)", line)
+                if m and m.group(2) != "HloModule":
+                    current = m.group(2)
+                    self.comps[current] = {}
+                    self.entry = current if m.group(1) else self.entry
+                continue
+            if line.startswith("}"):
+                current = None
+            elif current is not None and (ins := _parse_instr(line)):
+                self.comps[current][ins.name] = ins
+                if line.lstrip().startswith("ROOT"):
+                    self.roots[current] = ins.name
+
+    def eval(self, comp: str, name: str, env: dict[int, Any] | None, depth: int = 0) -> Any:
+        """Fold `name` to ("c", int), ("i", k) = loop element k, ("t", [...]), an op tuple or None."""
+        ins = self.comps.get(comp, {}).get(name)
+        if ins is None or depth > 64:
+            return None
+        op = ins.opcode
+        sub = lambda i: self.eval(comp, ins.operands[i][0], env, depth + 1)  # noqa: E731
+        if op == "constant":
+            return ("c", int(ins.args)) if re.fullmatch(r"\s*-?\d+\s*", ins.args) else None
+        if op == "parameter":
+            return (env or {}).get(int(ins.args))
+        if op == "get-tuple-element":
+            m = re.search(r"index=(\d+)", ins.attrs)
+            v, k = (sub(0), int(m[1])) if m else (None, 0)
+            if v == _LOOP:
+                return ("i", k)
+            return v[1][k] if v and v[0] == "t" and k < len(v[1]) else None
+        if op == "tuple":
+            return ("t", [sub(i) for i in range(len(ins.operands))])
+        if op in ("copy", "convert", "bitcast", "reshape") and ins.operands:
+            return sub(0)
+        if op in ("fusion", "call") and ins.callees:
+            callee = ins.callees[0][1]
+            inner = {i: sub(i) for i in range(len(ins.operands))}
+            return self.eval(callee, self.roots.get(callee, ""), inner, depth + 1)
+        if op in ("add", "subtract", "compare") and len(ins.operands) == 2:
+            a, b = sub(0), sub(1)
+            if op == "compare":
+                d = re.search(r"direction=(\w+)", ins.attrs)
+                return ("cmp", d.group(1) if d else "", a, b)
+            return (op, a, b)
+        return None
+
+    def trip_count(self, comp: str, ins: _Instr) -> int | None:
+        """known_trip_count from backend_config, else solve `i < N` from condition, init, step."""
+        known = re.search(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)', ins.raw_attrs)
+        if known:
+            return int(known.group(1))
+        called = dict(ins.callees)
+        cond, body = called.get("condition"), called.get("body")
+        c = self.eval(cond, self.roots.get(cond, ""), {0: _LOOP}) if cond else None
+        if not c or c[0] != "cmp" or None in c[2:]:
+            return None
+        _, d, a, b = c
+        if a[0] == "c" and b[0] == "i":
+            a, b, d = b, a, _FLIP.get(d, d)
+        if a[0] != "i" or b[0] != "c":
+            return None
+        k, limit = a[1], b[1]
+        init = self.eval(comp, ins.operands[0][0], None) if ins.operands else None
+        init = init[1][k] if init and init[0] == "t" and k < len(init[1]) else None
+        upd = self.eval(body, self.roots.get(body, ""), {0: _LOOP}) if body else None
+        upd = upd[1][k] if upd and upd[0] == "t" and k < len(upd[1]) else None
+        step = None
+        if upd and upd[0] in ("add", "subtract") and ("i", k) in upd[1:]:
+            other = upd[2] if upd[1] == ("i", k) else upd[1]
+            if other and other[0] == "c" and (upd[0] == "add" or upd[1] == ("i", k)):
+                step = other[1] if upd[0] == "add" else -other[1]
+        if not init or init[0] != "c" or not step:
+            return None
+        span = (limit - init[1]) if step > 0 else (init[1] - limit)
+        s = abs(step)
+        if (d, step > 0) in (("LT", True), ("GT", False)):
+            return max(0, -(-span // s))
+        if (d, step > 0) in (("LE", True), ("GE", False)):
+            return max(0, span // s + 1)
+        if d == "NE" and span >= 0 and span % s == 0:
+            return span // s
+        return None
+
+
+def _group_size(attrs: str, total: int | None) -> int | None:
+    """Participants per replica group; `total` stands in for the empty `{}` (all devices)."""
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)  # iota: [groups,size]<=[...]
+    if m:
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attrs)  # mesh-axes form
+    if m:
+        sizes = {n: int(s) for n, s in re.findall(r"'?([\w.\-]+)'?\s*=\s*(\d+)", m.group(1))}
+        size = 1
+        for ref in filter(None, (r.strip() for r in m.group(2).split(","))):
+            r = re.fullmatch(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?", ref)
+            size *= int(r.group(3)) if r and r.group(3) else sizes.get(r.group(1) if r else ref, 1)
+        return size
+    m = re.search(r"replica_groups=\{\s*(\{[^}]*\})?", attrs)
+    if m and m.group(1):
+        return len(re.findall(r"\d+", m.group(1)))
+    return total  # `replica_groups={}` or absent: one group of every device
+
+
+def _sized(kind: str, ins: _Instr, shapes: dict[str, str], n: int, warn: list[str]) -> int:
+    """The S of the ring formula, from the result shape or (where needed) the operand shapes."""
+    out = shape_bytes(ins.shape)
+    known = [s or shapes.get(name) for name, s in ins.operands]
+    s_in = sum(shape_bytes(s) for s in known) if known and None not in known else None
+    start = ins.opcode.endswith("-start")
+    if kind == "all-gather" and start:
+        return out - s_in if s_in is not None else out
+    if kind == "reduce-scatter":
+        return s_in if s_in is not None else out * n
+    if kind == "collective-permute" and start:
+        if known and known[0]:
+            return shape_bytes(known[0])
+        warn.append(f"{ins.name}: operand shape unknown, sized from its result tuple")
+    return out
+
+
+def _ring(kind: str, s: int, n: int) -> float:
+    if kind == "collective-permute":
+        return float(s)
+    if n <= 1:
+        return 0.0
+    return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * s
+
+
+def _multipliers(mod: _Module, warn: list[str]) -> tuple[dict[str, int], set[str]]:
+    """Executions per step of each computation reachable from ENTRY (trip counts folded in), and
+    the computations that run only under a conditional branch (counted as if the branch ran)."""
+    callers: dict[str, list[tuple[str, int, bool]]] = {}
+    seen, todo = {mod.entry}, [mod.entry]
+    while todo:
+        comp = todo.pop()
+        for ins in mod.comps.get(comp, {}).values():
+            if ins.opcode.endswith(("-done", "-update")):
+                continue  # the -start half already carries the async computation
+            trips = mod.trip_count(comp, ins) if ins.opcode == "while" else None
+            if ins.opcode == "while" and trips is None:
+                warn.append(f"{comp}/{ins.name}: trip count unknown, loop body counted once")
+            for attr, callee in ins.callees:
+                if attr == "to_apply" and ins.opcode != "call" or callee not in mod.comps:
+                    continue  # reduction lambdas hold no collectives
+                loop = trips is not None and attr in ("body", "condition")
+                branch = ins.opcode == "conditional"
+                callers.setdefault(callee, []).append(
+                    (comp, trips + (attr == "condition") if loop else 1, branch))
+                if callee not in seen:
+                    seen.add(callee)
+                    todo.append(callee)
+    memo: dict[str, int] = {mod.entry: 1}
+
+    def mult(c: str) -> int:
+        if c not in memo:
+            memo[c] = sum(mult(p) * f for p, f, _ in callers.get(c, []))
+        return memo[c]
+
+    branchy: set[str] = set()
+    changed = True
+    while changed:  # a fixed point: under a branch if any call edge is a branch or from one
+        grown = {c for c, edges in callers.items() if any(b or p in branchy for p, _, b in edges)}
+        changed, branchy = grown != branchy, grown
+    return {c: mult(c) for c in seen}, branchy
+
+
+def _hlo_text(obj: Any) -> str:
+    if isinstance(obj, str):
+        return obj
+    if hasattr(obj, "compile"):  # jax.stages.Lowered: its as_text() is StableHLO, not optimized HLO
+        obj = obj.compile()
+    return obj.as_text()
+
+
+def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> CollectiveStats:
+    """Bytes one device sends per execution of a Compiled / Lowered / HLO text, by collective kind.
+
+    `num_devices` sizes `replica_groups={}` (all devices); by default it is num_partitions x
+    replica_count from the module header. A collective-permute counts S for every device, the
+    most any one device sends.
+    """
+    mod = _Module(_hlo_text(compiled_or_text))
+    stats = CollectiveStats()
+    if mod.entry is None:
+        stats.warnings.append("no ENTRY computation found")
+        return stats
+    total = num_devices if num_devices is not None else mod.num_devices
+    mults, branchy = _multipliers(mod, stats.warnings)
+    for comp, times in mults.items():
+        instrs = mod.comps[comp]
+        shapes = {name: ins.shape for name, ins in instrs.items()}
+        for ins in instrs.values():
+            kind = _OPCODES.get(ins.opcode)
+            if kind is None:
+                continue
+            if kind == "collective-permute":
+                pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", ins.attrs)
+                n = len(set(re.findall(r"\d+", pairs.group(1)))) if pairs else 0
+            else:
+                n = _group_size(ins.attrs, total)
+                if n is None:
+                    stats.warnings.append(f"{ins.name}: replica_groups={{}} but device count unknown")
+                    n = 1
+            s = _sized(kind, ins, shapes, n, stats.warnings)
+            if comp in branchy:
+                stats.warnings.append(f"{ins.name}: under a conditional, counted as if it ran")
+            op = CollectiveOp(kind, ins.name, ins.shape, s, n, times, _ring(kind, s, n), comp)
+            stats.ops.append(op)
+            stats.count_by_kind[kind] += times
+            stats.bytes_by_kind[kind] += op.total_sent_bytes
+    return stats

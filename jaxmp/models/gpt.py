@@ -1,0 +1,229 @@
+"""A decoder-only transformer (GPT / Llama style) in Flax NNX, read in one sitting.
+
+Every parameter names its logical axes (``("embed", "mlp")``); activations are constrained by
+logical name through ``jaxmp.rules.constrain``. No mesh axis appears here: where things live is
+decided by the rules and the planner, so the same model runs on any mesh.
+
+Layers are created stacked (a leading ``layers`` axis, via ``nnx.vmap``) and run either with
+``jax.lax.scan`` (one compiled block: fast compiles) or unrolled (one block per layer in the
+program: what per-layer cost measurements and some XLA schedules want). Both modes share one
+parameter layout, so checkpoints do not care which was used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmp.rules import constrain
+
+_REMAT_POLICIES: dict[str, Callable | None] = {
+    "full": None,  # save nothing: recompute the whole block in the backward pass
+    # Keep the projections' outputs (matmuls without batch dims); recompute attention scores,
+    # norms and activations, which are cheap in FLOPs but large in bytes.
+    "save_dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Resolved model hyper-parameters (no zeros meaning 'default' left)."""
+
+    vocab_size: int = 256
+    layers: int = 4
+    d_model: int = 128
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int = 32
+    mlp_dim: int = 512
+    activation: str = "gelu"  # "gelu" | "swiglu"
+    tie_embeddings: bool = True
+    scan_layers: bool = True
+    remat: str = "none"  # "none" | "save_dots" | "full"
+    compute_dtype: str = "float32"
+    param_dtype: str = "float32"
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count, from the shapes the modules below create."""
+        attn = self.d_model * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = self.d_model * self.mlp_dim * (3 if self.activation == "swiglu" else 2)
+        block = attn + mlp + 2 * self.d_model
+        head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
+        return self.layers * block + self.vocab_size * self.d_model + head + self.d_model
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6·(matmul params) plus causal attention (fwd+bwd)."""
+        attn = self.d_model * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = self.d_model * self.mlp_dim * (3 if self.activation == "swiglu" else 2)
+        # The embedding lookup is a gather, not a matmul; the output head (tied or not) is one.
+        matmul_params = self.layers * (attn + mlp) + self.vocab_size * self.d_model
+        attn_flops = 6 * 2 * self.layers * self.heads * self.head_dim * seq_len  # QK^T and AV, full square
+        return 6 * matmul_params + attn_flops
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...],
+           std: float, dtype: jnp.dtype) -> nnx.Param:
+    """A normal-initialised parameter carrying its logical axis names as metadata."""
+    value = std * jax.random.normal(rngs.params(), shape, dtype)
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), out_sharding=("norm",),
+                               eager_sharding=False)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...]).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotary position embedding over the last axis of ``x`` [batch, seq, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    freqs = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # [seq, half]
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head attention; grouped-query when kv_heads < heads."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        d, h, kv, hd, pd = cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.param_dtype
+        std = cfg.init_std
+        self.q = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), std, pd)
+        self.k = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), std, pd)
+        self.v = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), std, pd)
+        # GPT-2's scaled init for projections that write into the residual stream.
+        self.o = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"),
+                        std / math.sqrt(2 * cfg.layers), pd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        q = jnp.einsum("bsd,dhk->bshk", x, self.q[...].astype(dt))
+        k = jnp.einsum("bsd,dhk->bshk", x, self.k[...].astype(dt))
+        v = jnp.einsum("bsd,dhk->bshk", x, self.v[...].astype(dt))
+        q = constrain(q, ("batch", "seq", "act_heads", None))
+        k = constrain(k, ("batch", "seq", "act_kv_heads", None))
+        v = constrain(v, ("batch", "seq", "act_kv_heads", None))
+        positions = jnp.arange(x.shape[1])
+        q, k = rope(q, positions), rope(k, positions)
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        out = constrain(out, ("batch", "seq", "act_heads", None))
+        return jnp.einsum("bshk,hkd->bsd", out, self.o[...].astype(dt))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        d, f, pd, std = cfg.d_model, cfg.mlp_dim, cfg.param_dtype, cfg.init_std
+        self.swiglu = cfg.activation == "swiglu"
+        self.up = _param(rngs, (d, f), ("embed", "mlp"), std, pd)
+        if self.swiglu:
+            self.gate = _param(rngs, (d, f), ("embed", "mlp"), std, pd)
+        self.down = _param(rngs, (f, d), ("mlp", "embed"), std / math.sqrt(2 * cfg.layers), pd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        h = x @ self.up[...].astype(dt)
+        if self.swiglu:
+            h = jax.nn.silu(x @ self.gate[...].astype(dt)) * h
+        else:
+            h = jax.nn.gelu(h)
+        h = constrain(h, ("batch", "seq", "act_mlp"))
+        return h @ self.down[...].astype(dt)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x))
+        x = constrain(x, ("batch", "seq", "act_embed"))
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", "seq", "act_embed"))
+
+
+class GPT(nnx.Module):
+    """Token embedding → stacked blocks → RMSNorm → (tied) output head; returns logits."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pd = cfg.param_dtype
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                            cfg.init_std, pd)
+
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+        if not cfg.tie_embeddings:
+            self.unembed = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+                                  cfg.init_std, pd)
+
+    def _run_blocks(self, x: jax.Array) -> jax.Array:
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def body(h: jax.Array, layer_state) -> tuple[jax.Array, None]:
+            return nnx.merge(graphdef, layer_state)(h), None
+
+        if self.cfg.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat],
+                                  prevent_cse=not self.cfg.scan_layers)
+        if self.cfg.scan_layers:
+            x, _ = jax.lax.scan(body, x, stacked)
+            return x
+        for i in range(self.cfg.layers):
+            x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], stacked))
+        return x
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        dt = jnp.dtype(self.cfg.compute_dtype)
+        # Use the table like an activation (whole embed dim) so the gather's output can follow
+        # the batch sharding instead of the table's fsdp sharding.
+        table = constrain(self.embed[...], ("act_vocab", "act_embed"))
+        x = jnp.take(table, tokens, axis=0).astype(dt)
+        x = constrain(x, ("batch", "seq", "act_embed"))
+        x = self._run_blocks(x)
+        x = self.final_norm(x)
+        head = self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
+        logits = x @ head.astype(dt)
+        return constrain(logits, ("batch", "seq", "act_vocab"))
+
+
+def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+    """Next-token cross entropy in float32, averaged over unmasked target tokens.
+
+    Returns ``(loss, {"weight": tokens})`` so gradient accumulation can weight microbatches by
+    their token counts and stay equal to the full-batch step when masks differ.
+    """
+    logits = model(batch["inputs"]).astype(jnp.float32)
+    targets = batch["targets"]
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    nll = logz - picked
+    mask = batch.get("mask")
+    mask = jnp.ones_like(nll) if mask is None else mask.astype(jnp.float32)
+    weight = jnp.sum(mask)
+    return jnp.sum(nll * mask) / jnp.maximum(weight, 1.0), {"weight": weight}

@@ -106,25 +106,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     bad_input: tuple[type[BaseException], ...] = (ConfigError, UsageError, FileNotFoundError)
     try:
-        from jaxmp.data import DataError
-
-        bad_input += (DataError,)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
         return args.func(args)
-    except bad_input as e:
-        print(f"jaxmp: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("jaxmp: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 - one clear line, never a raw traceback
+    except Exception as e:  # noqa: BLE001 - sorted below into bad input / runtime failure
+        # DataError is looked up only now: importing jaxmp.data imports jax, which must wait
+        # until the command has set XLA_FLAGS (--simulate-devices).
+        data = sys.modules.get("jaxmp.data")
+        if isinstance(e, bad_input + ((data.DataError,) if data else ())):
+            print(f"jaxmp: error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         if os.environ.get("JAXMP_DEBUG"):
             raise
         print(f"jaxmp: failed: {type(e).__name__}: {e} (set JAXMP_DEBUG=1 for the traceback)",
               file=sys.stderr)
         return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("jaxmp: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

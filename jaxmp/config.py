@@ -231,8 +231,8 @@ class TrainConfig(_Section):
     """Loop length and batch. batch_size is global, in sequences, and split over grad_accum."""
 
     section: ClassVar[str] = "train"
-    steps: int = _f(300, ge=1)
-    batch_size: int = _f(32, ge=1)
+    steps: int = _f(200, ge=1)
+    batch_size: int = _f(16, ge=1)
     seed: int = _f(0, ge=0)
     grad_accum: int = _f(1, ge=1)
     eval_every: int = _f(100, ge=0)  # 0 = no evaluation

@@ -54,6 +54,7 @@ class CollectiveOp:
     multiplier: int
     sent_bytes: float
     computation: str
+    lowered_as: str = ""  # e.g. "all-reduce+dynamic-slice" for a reduce-scatter in disguise
 
     @property
     def total_sent_bytes(self) -> float:
@@ -67,6 +68,7 @@ class CollectiveStats:
     count_by_kind: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
     ops: list[CollectiveOp] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    raw_total_bytes: float = 0.0  # as compiled, before folding all-reduce+slice (see below)
 
     @property
     def total_bytes(self) -> float:
@@ -315,6 +317,62 @@ def _multipliers(mod: _Module, warn: list[str]) -> tuple[dict[str, int], set[str
     return {c: mult(c) for c in seen}, branchy
 
 
+_PASS_THROUGH = {"bitcast", "copy", "reshape", "transpose", "get-tuple-element"}
+
+
+def _users(instrs: dict[str, _Instr]) -> dict[str, list[_Instr]]:
+    users: dict[str, list[_Instr]] = {}
+    for ins in instrs.values():
+        for name, _ in ins.operands:
+            users.setdefault(name, []).append(ins)
+    return users
+
+
+def _only_sliced(mod: _Module, comp: str, value: str, size: int, n: int, depth: int = 0) -> bool:
+    """True if every use of ``value`` dynamic-slices it down to at most 1/n of ``size`` bytes.
+
+    Follows bitcasts/copies/transposes and enters fusions (the slice is often fused with its
+    consumer). This is the pattern GPU/TPU pipelines rewrite into a reduce-scatter.
+    """
+    instrs = mod.comps[comp]
+    users = _users(instrs).get(value, [])
+    if not users or depth > 8:
+        return False
+    for u in users:
+        if u.opcode == "dynamic-slice" and u.operands and u.operands[0][0] == value:
+            if shape_bytes(u.shape) * n > size:
+                return False
+        elif u.opcode in _PASS_THROUGH:
+            if not _only_sliced(mod, comp, u.name, size, n, depth + 1):
+                return False
+        elif u.opcode == "fusion" and u.callees:
+            fused = u.callees[0][1]
+            params = {int(m.group(1)): i.name for i in mod.comps.get(fused, {}).values()
+                      if i.opcode == "parameter" and (m := re.match(r"(\d+)", i.args.strip()))}
+            idx = [k for k, (name, _) in enumerate(u.operands) if name == value]
+            if not idx or not all(k in params and _only_sliced(mod, fused, params[k], size, n,
+                                                                  depth + 1) for k in idx):
+                return False
+        else:
+            return False
+    return True
+
+
+def _scattered_bytes(mod: _Module, comp: str, ins: _Instr, n: int) -> int:
+    """Bytes of an all-reduce's result that are only ever sliced to this device's 1/n share."""
+    if n <= 1:
+        return 0
+    if not ins.shape.startswith("("):
+        return shape_bytes(ins.shape) if _only_sliced(mod, comp, ins.name, shape_bytes(ins.shape), n) else 0
+    total = 0
+    for u in _users(mod.comps[comp]).get(ins.name, []):
+        if u.opcode == "get-tuple-element":
+            size = shape_bytes(u.shape)
+            if _only_sliced(mod, comp, u.name, size, n):
+                total += size
+    return total
+
+
 def _hlo_text(obj: Any) -> str:
     if isinstance(obj, str):
         return obj
@@ -323,12 +381,19 @@ def _hlo_text(obj: Any) -> str:
     return obj.as_text()
 
 
-def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> CollectiveStats:
+def collective_stats(compiled_or_text: Any, num_devices: int | None = None,
+                     fold_reduce_scatter: bool = True) -> CollectiveStats:
     """Bytes one device sends per execution of a Compiled / Lowered / HLO text, by collective kind.
 
     `num_devices` sizes `replica_groups={}` (all devices); by default it is num_partitions x
     replica_count from the module header. A collective-permute counts S for every device, the
     most any one device sends.
+
+    With `fold_reduce_scatter`, the part of an all-reduce whose result is only ever
+    dynamic-sliced to this device's 1/N share is counted as the reduce-scatter it is: the SPMD
+    partitioner emits all-reduce + dynamic-slice and relies on a later pass (GPU/TPU:
+    ReduceScatterCreator) to fuse them; the CPU backend has no such pass. `raw_total_bytes`
+    keeps what the program sends as compiled.
     """
     mod = _Module(_hlo_text(compiled_or_text))
     stats = CollectiveStats()
@@ -355,8 +420,17 @@ def collective_stats(compiled_or_text: Any, num_devices: int | None = None) -> C
             s = _sized(kind, ins, shapes, n, stats.warnings)
             if comp in branchy:
                 stats.warnings.append(f"{ins.name}: under a conditional, counted as if it ran")
-            op = CollectiveOp(kind, ins.name, ins.shape, s, n, times, _ring(kind, s, n), comp)
-            stats.ops.append(op)
-            stats.count_by_kind[kind] += times
-            stats.bytes_by_kind[kind] += op.total_sent_bytes
+            stats.raw_total_bytes += _ring(kind, s, n) * times
+            parts = [(kind, s, "")]
+            if kind == "all-reduce" and fold_reduce_scatter:
+                scattered = min(_scattered_bytes(mod, comp, ins, n), s)
+                if scattered:
+                    parts = [("reduce-scatter", scattered, "all-reduce+dynamic-slice")]
+                    parts += [(kind, s - scattered, "")] if s > scattered else []
+            for k, size, lowered in parts:
+                op = CollectiveOp(k, ins.name, ins.shape, size, n, times, _ring(k, size, n), comp,
+                                  lowered)
+                stats.ops.append(op)
+                stats.count_by_kind[k] += times
+                stats.bytes_by_kind[k] += op.total_sent_bytes
     return stats

@@ -47,7 +47,7 @@ def resolve_axes(axes: Mapping[str, int], n_devices: int) -> dict[str, int]:
         sizes[fill[0]] = n_devices // known
     elif known != n_devices:
         raise ValueError(
-            f"mesh {shown or 'of size 1'} has {known} devices but {n_devices} are available")
+            f"mesh {shown or 'of size 1'} needs {known} devices but {n_devices} are available")
     return sizes
 
 

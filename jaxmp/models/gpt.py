@@ -162,6 +162,22 @@ class Block(nnx.Module):
         return constrain(x, ("batch", "seq", "act_embed"))
 
 
+def _pin_layer_params(layer_state: nnx.State) -> nnx.State:
+    """Constrain one layer's sliced params to their own logical sharding.
+
+    Inside the scan body GSPMD no longer sees the stacked params' sharding; pinning the slice
+    (and, by transposition, its gradient) lets the backward pass reduce-scatter each layer's
+    gradient into its shards instead of all-reducing it whole. The sliced Variables still list
+    the stacked ``layers`` axis first, hence ``[1:]``.
+    """
+
+    def pin(v: nnx.Variable) -> nnx.Variable:
+        names = v.get_metadata().get("out_sharding")
+        return v.replace(constrain(v[...], tuple(names)[1:])) if names else v
+
+    return jax.tree.map(pin, layer_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 class GPT(nnx.Module):
     """Token embedding → stacked blocks → RMSNorm → (tied) output head; returns logits."""
 
@@ -186,7 +202,7 @@ class GPT(nnx.Module):
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(h: jax.Array, layer_state) -> tuple[jax.Array, None]:
-            return nnx.merge(graphdef, layer_state)(h), None
+            return nnx.merge(graphdef, _pin_layer_params(layer_state))(h), None
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat],

@@ -302,3 +302,43 @@ def test_real_jit_psum_over_one_axis_of_2x4_mesh():
     assert ar.group_size == 4 and ar.bytes == 2048
     assert stats.bytes_by_kind["all-reduce"] == pytest.approx(2 * 3 / 4 * 2048)
     assert [op.group_size for op in stats.ops if op.kind == "all-gather"] == [2]
+
+
+FOLD_HLO = """HloModule m, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused (p0: f32[64,16], p1: s32[]) -> f32[8,16] {
+  %p0 = f32[64,16]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = f32[8,16]{1,0} dynamic-slice(%p0, %p1, %z), dynamic_slice_sizes={8,16}
+}
+
+ENTRY %main (x: f32[64,16], y: f32[32]) -> (f32[8,16], f32[32]) {
+  %x = f32[64,16]{1,0} parameter(0)
+  %y = f32[32]{0} parameter(1)
+  %ar = (f32[64,16]{1,0}, f32[32]{0}) all-reduce(%x, %y), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %g0 = f32[64,16]{1,0} get-tuple-element(%ar), index=0
+  %g1 = f32[32]{0} get-tuple-element(%ar), index=1
+  %pid = u32[] partition-id()
+  %off = s32[] convert(%pid)
+  %f = f32[8,16]{1,0} fusion(%g0, %off), kind=kLoop, calls=%fused
+  ROOT %t = (f32[8,16]{1,0}, f32[32]{0}) tuple(%f, %g1)
+}
+"""
+
+
+def test_all_reduce_then_slice_folds_into_reduce_scatter():
+    """The sliced tuple element counts as a reduce-scatter; the element used whole does not."""
+    folded = collective_stats(FOLD_HLO)
+    assert folded.bytes_by_kind["reduce-scatter"] == pytest.approx(7 / 8 * 64 * 16 * 4)
+    assert folded.bytes_by_kind["all-reduce"] == pytest.approx(2 * 7 / 8 * 32 * 4)
+    raw = collective_stats(FOLD_HLO, fold_reduce_scatter=False)
+    assert raw.bytes_by_kind["reduce-scatter"] == 0
+    assert raw.total_bytes == pytest.approx(2 * 7 / 8 * (64 * 16 + 32) * 4)
+    assert folded.raw_total_bytes == pytest.approx(raw.total_bytes)

@@ -22,7 +22,7 @@ def jaxmp(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess
 
 def test_train_writes_run_dir_and_loss_falls(tmp_path: Path):
     run = tmp_path / "run"
-    r = jaxmp("train", "--run-dir", str(run), *SMALL)
+    r = jaxmp("train", "--run-dir", str(run), *SMALL, "--set", "logging.profile_steps=[2, 4]")
     assert r.returncode == 0, r.stderr[-2000:]
     assert (run / "config.toml").is_file() and (run / "plan.json").is_file()
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -35,6 +35,7 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path: Path):
     assert 0 < lines[-1]["mfu"] < 1
     events = list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+    assert list((run / "profile").rglob("*.xplane.pb")), "jax.profiler trace for steps [2, 4)"
     # the effective config round-trips: training again from it is valid input
     from jaxmp.config import load_config
 

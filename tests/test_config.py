@@ -305,7 +305,7 @@ def test_mesh_helpers():
 
 def test_replace_and_direct_construction_are_validated():
     c = replace(Config(), train={"steps": 7}, model={"activation": "swiglu"})
-    assert (c.train.steps, c.model.activation, c.train.batch_size) == (7, "swiglu", 32)
+    assert (c.train.steps, c.model.activation, c.train.batch_size) == (7, "swiglu", Config().train.batch_size)
     with pytest.raises(ConfigError, match=r"^train\.steps: must be >= 1, got 0$"):
         replace(c, train={"steps": 0})
     with pytest.raises(ConfigError, match=r"train\.stepz"):

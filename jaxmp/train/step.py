@@ -112,7 +112,7 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
         loss, grads, rest, aux = grad_fn(state.params, state.rest, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step), **aux}
         new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rest=rest)
         return new, metrics

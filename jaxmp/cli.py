@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-processes", type=int, default=None)
     t.add_argument("--process-id", type=int, default=None)
     t.set_defaults(func=_cmd_train)
+
+    from jaxmp.ckpt.cli import add_ckpt_parser  # imports no jax
+
+    add_ckpt_parser(sub)
     return p
 
 
@@ -102,9 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed its one-line usage error
         return int(e.code or 0) and EXIT_BAD_INPUT
+    from jaxmp.ckpt import CheckpointError
     from jaxmp.config import ConfigError
 
-    bad_input: tuple[type[BaseException], ...] = (ConfigError, UsageError, FileNotFoundError)
+    bad_input: tuple[type[BaseException], ...] = (ConfigError, UsageError, FileNotFoundError,
+                                                  CheckpointError)
     try:
         return args.func(args)
     except Exception as e:  # noqa: BLE001 - sorted below into bad input / runtime failure

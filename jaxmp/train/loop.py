@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxmp import rules as rules_lib
+from jaxmp.ckpt.resume import Preemption, TrainCheckpointer, resume_iterator, say
 from jaxmp.config import Config, ConfigError, config_to_toml
 from jaxmp.data import to_global
 from jaxmp.mesh import make_mesh, mesh_shape
@@ -108,10 +109,14 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         cfg, t = self.config, self.config.train
         self._write_run_files()
-        if self.state is None:
+        ckpt = TrainCheckpointer(self.run_dir, cfg, self.layout, self.path_rules)
+        resumed = ckpt.restore() if self.state is None else None  # newest readable checkpoint
+        if resumed is not None:
+            self.state = resumed.state
+        elif self.state is None:
             self.state = init_state(self.layout, self.model_fn, self.tx, t.seed)
         start_step = int(self.state.step)
-        data_iter = iter(self.data)
+        data_iter = resume_iterator(self.data, resumed)  # continues the stream after a resume
         batch = self._next_global(data_iter)
         step_fn = make_train_step(self.layout, self.loss_fn, self.tx, self.schedule, batch,
                                   t.grad_accum, self.rules)
@@ -129,6 +134,7 @@ class Trainer:
                          f"steps {start_step}..{t.steps}; run dir {self.run_dir}")
         profile = _Profiler(cfg.logging.profile_steps, self.run_dir, self.is_main)
         last_log, last_time, metrics = start_step, time.perf_counter(), {}
+        preempt = Preemption(ckpt.enabled).install()
         try:
             for step in range(start_step, t.steps):
                 profile.maybe_start(step)
@@ -137,7 +143,8 @@ class Trainer:
                 self.state, metrics = step_fn(self.state, batch)
                 done = step + 1
                 profile.maybe_stop(done)
-                if done % cfg.logging.every == 0 or done == t.steps:
+                stop = preempt.requested(done)  # SIGTERM/SIGINT: save here, then stop
+                if done % cfg.logging.every == 0 or done == t.steps or stop:
                     loss = float(metrics["loss"])  # blocks: timing covers real work
                     now = time.perf_counter()
                     dt = (now - last_time) / max(done - last_log, 1)
@@ -151,7 +158,14 @@ class Trainer:
                     self.history.append({"step": done, **record})
                     progress.update(done, loss, record["tokens_per_s"])
                     last_log, last_time = done, time.perf_counter()
+                ckpt.maybe_save(done, self.state, data_iter, force=stop or done == t.steps)
+                if stop:
+                    say(f"jaxmp: stopped by {preempt.reason} at step {done}; checkpoint "
+                        f"saved in {ckpt.dir}")
+                    break
         finally:
+            preempt.close()
+            ckpt.close()  # waits for the last async save to be committed
             profile.close()
             progress.close()
             writer.close()

@@ -1,0 +1,260 @@
+"""The trainer's side of checkpoints: restore-or-init, periodic and final saves, preemption.
+
+``Trainer.fit`` calls four things, top to bottom: :meth:`TrainCheckpointer.restore` (the newest
+readable complete step, falling back past damaged ones), :func:`resume_iterator` (continue the
+data stream where the checkpoint left it), :meth:`TrainCheckpointer.maybe_save` after every step
+and :meth:`TrainCheckpointer.close` (wait for the last async write). :class:`Preemption` turns
+SIGTERM / SIGINT into "save at the next step boundary, then stop".
+
+Saves are asynchronous by default: ``save`` returns once the arrays are copied to host memory
+(so the next step may donate its buffers) and the files are written on a background thread.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import jax
+import numpy as np
+
+from jaxmp.ckpt import CheckpointError
+from jaxmp.ckpt import store, tree
+from jaxmp.config import CheckpointConfig, Config, config_to_toml
+
+
+def say(text: str) -> None:
+    """A message for the person running the job (process 0 only)."""
+    if jax.process_index() == 0:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _all_agree(ok: bool) -> bool:
+    """True when every process says ok (one tiny all-gather; free on one process)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a resume restores: the train state and the data iterator's state (or None)."""
+
+    state: Any
+    data_state: dict | None
+    step: int
+
+
+class TrainCheckpointer:
+    """Checkpoints of one run directory for a state with ``layout`` (see ``jaxmp.train.state``)."""
+
+    def __init__(self, run_dir: str | Path, config: Config, layout: Any,
+                 path_rules: Sequence | None = None):
+        self.cfg: CheckpointConfig = config.checkpoint
+        self.dir = Path(run_dir) / "checkpoints"
+        self.layout, self.path_rules = layout, path_rules
+        self.config_toml = config_to_toml(config)
+        self.plan_path = Path(run_dir) / "plan.json"
+        abstract = tree.entries(layout.abstract, path_rules)
+        self.paths = [e.path for e in abstract]
+        self.expected = {e.path: tree.record(e) for e in abstract}
+        shardings = jax.tree_util.tree_leaves(layout.shardings)
+        if len(shardings) != len(self.paths):  # pragma: no cover - a layout bug, not user input
+            raise RuntimeError("layout.shardings does not match layout.abstract")
+        self.shardings = dict(zip(self.paths, shardings))
+        self.manager = None
+        self.last_saved: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.enabled
+
+    # -- restore ------------------------------------------------------------------------------
+    def restore(self) -> Resumed | None:
+        """State and data state of the newest readable complete step, or None (fresh run)."""
+        if not self.enabled:
+            return None
+        _barrier("jaxmp_ckpt_restore")  # every process looks before any creates the folder
+        exists = self.dir.is_dir()
+        if exists and jax.process_index() == 0:
+            for info in store.scan(self.dir, sizes=False):  # e.g. "12/" missing its marker
+                if info.status == "incomplete" and info.path.name.isdigit():
+                    moved = store.set_aside(info.path, "incomplete")
+                    say(f"jaxmp: warning: {info.path} is an incomplete save; moved to "
+                        f"{moved.name}")
+        _barrier("jaxmp_ckpt_scan")
+        found = store.latest_readable(self.dir, self._load_agreed, say, self._damaged) \
+            if exists else None
+        self._open()
+        if found is None:
+            return None
+        step, (state, data_state) = found
+        self.last_saved = step
+        say(f"jaxmp: resuming from checkpoint step {step} in {self.dir}")
+        return Resumed(state, data_state, step)
+
+    def _load_agreed(self, step_dir: Path) -> tuple[Any, dict | None]:
+        error, result = None, None
+        try:
+            result = self._load(step_dir)
+        except store.DamagedCheckpoint as e:
+            error = e
+        if not _all_agree(error is None):
+            raise error or store.DamagedCheckpoint(
+                f"checkpoint {step_dir} cannot be read on another process")
+        return result
+
+    def _load(self, step_dir: Path) -> tuple[Any, dict | None]:
+        meta = store.read_meta(step_dir)
+        problem = tree.mismatch(meta["arrays"], self.expected)
+        if problem:  # the user's config changed: an error, not damage to fall back from
+            raise CheckpointError(f"checkpoint {step_dir} does not fit the configured model: "
+                                  f"{problem}")
+        target = tree.target(meta["arrays"], self.shardings)
+        flat = tree.flat_paths(store.restore_arrays(step_dir, target))
+        state = tree.rebuild(self.layout.abstract, tree.rewrap(flat, meta["arrays"]),
+                             self.path_rules)
+        return state, store.read_json(step_dir, "data", missing_ok=True)
+
+    def _damaged(self, step_dir: Path) -> None:
+        """Move a damaged step aside so this run can save that step again later."""
+        _barrier("jaxmp_ckpt_damaged_pre")
+        if jax.process_index() == 0:
+            moved = store.set_aside(step_dir, "damaged")
+            say(f"jaxmp: moved the damaged checkpoint to {moved}")
+        _barrier("jaxmp_ckpt_damaged_post")
+
+    # -- save ---------------------------------------------------------------------------------
+    def _open(self) -> None:
+        if self.enabled and self.manager is None:
+            self.manager = store.open_manager(self.dir, keep=self.cfg.keep,
+                                              keep_period=self.cfg.keep_period,
+                                              async_save=self.cfg.async_save)
+
+    def maybe_save(self, step: int, state: Any, data_iter: Any = None, *,
+                   force: bool = False) -> bool:
+        """Save ``state`` at ``step`` if it is due (every ``checkpoint.every``) or forced."""
+        due = force or (self.cfg.every > 0 and step % self.cfg.every == 0)
+        if not self.enabled or not due or step == self.last_saved:
+            return False
+        self._open()
+        if step in self.manager.all_steps():  # e.g. a state set by hand over an old run dir
+            say(f"jaxmp: warning: checkpoint step {step} already exists in {self.dir}; "
+                f"not overwriting it")
+            self.last_saved = step
+            return False
+        items = tree.entries(state, self.path_rules)
+        records = {e.path: tree.record(e) for e in items}
+        meta = store.make_meta(step, records, tree.saved_mesh([e.value for e in items]))
+        get_state = getattr(data_iter, "get_state", None)
+        self.manager.save(step, force=True, args=store.save_args(
+            tree.to_pure(items), meta, self._run_info(), get_state() if get_state else None))
+        self.last_saved = step
+        return True
+
+    def _run_info(self) -> dict[str, Any]:
+        plan = None
+        if jax.process_index() == 0 and self.plan_path.is_file():
+            plan = json.loads(self.plan_path.read_text())
+        return {"config_toml": self.config_toml, "plan": plan}
+
+    def close(self) -> None:
+        """Wait for a pending async save to be committed, then release the manager."""
+        if self.manager is not None:
+            self.manager.wait_until_finished()
+            self.manager.close()
+            self.manager = None
+
+
+def resume_iterator(data: Iterable, resumed: Resumed | None) -> Iterator:
+    """An iterator over ``data`` that continues the stream where ``resumed`` left it.
+
+    Iterators with ``set_state`` (``jaxmp.data.BatchIterator``, Grain) jump straight there,
+    from a state that is global (the step), so a different device or process count continues
+    the same batches. Anything else is advanced by reading and dropping the consumed batches.
+    """
+    if resumed is None:
+        return iter(data)
+    if resumed.data_state is not None and hasattr(data, "set_state"):
+        data.set_state(resumed.data_state)
+        return iter(data)
+    it = iter(data)
+    if resumed.data_state is not None and hasattr(it, "set_state"):
+        it.set_state(resumed.data_state)
+        return it
+    if resumed.step:
+        say(f"jaxmp: the data iterator has no set_state; skipping {resumed.step} batches to "
+            f"continue the stream")
+        for _ in range(resumed.step):
+            if next(it, None) is None:
+                raise RuntimeError(f"the data iterator ran out while skipping {resumed.step} "
+                                   f"batches to resume")
+    return it
+
+
+class Preemption:
+    """SIGTERM / SIGINT → finish the step, save, stop (exit 0); a second SIGINT stops at once.
+
+    On several processes every host must stop at the same step, so SIGTERM is left to JAX's
+    preemption service (``reached_preemption_sync_point``, started by
+    ``jax.distributed.initialize``) which agrees on that step; handlers are only installed on
+    one process.
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._multi = jax.process_count() > 1
+
+    def install(self) -> Preemption:
+        """Catch the signals until :meth:`close` (main thread, single process only)."""
+        if self.enabled and not self._multi and \
+                threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def close(self) -> None:
+        """Give the signals back to whoever handled them before."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signum
+        say(f"jaxmp: got {signal.Signals(signum).name}; saving a checkpoint at the next step "
+            f"boundary, then stopping (Ctrl-C again to stop now)")
+
+    @property
+    def reason(self) -> str:
+        return signal.Signals(self.signal).name if self.signal else "preemption"
+
+    def requested(self, step: int) -> bool:
+        """Call after every step (on every process, same steps): stop and save here?"""
+        if not self.enabled:
+            return False
+        if self._multi:
+            from jax.experimental import multihost_utils
+
+            try:
+                return bool(multihost_utils.reached_preemption_sync_point(step))
+            except RuntimeError:  # preemption service disabled
+                return False
+        return self.signal is not None

@@ -1,6 +1,16 @@
-"""Give every test 8 simulated CPU devices; must run before jax is imported anywhere."""
+"""Test session set-up; must run before jax is imported anywhere.
+
+- 8 simulated CPU devices, so every test can build meshes of up to 8 devices.
+- A persistent JAX compilation cache (also inherited by the subprocesses tests start): the same
+  tiny programs are compiled by many tests and an XLA CPU compile takes seconds. It changes how
+  fast programs are obtained, never what they compute.
+"""
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), "jaxmp-test-jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -1,9 +1,5 @@
 """Shared pieces of the checkpoint tests (this module holds no tests).
 
-- A persistent JAX compilation cache, so the many identical compiles of these tests (the same
-  tiny model on the same mesh, in this process and in the subprocesses they start) are paid
-  once: an XLA CPU compile of even a tiny GPT takes ~10 s here. It changes only how fast
-  programs are obtained, never what they compute.
 - ``Bigram``: an NNX model with logical names that compiles in ~2 s.
 - Environment and helpers for subprocesses (``jaxmp train``, fresh-process restores,
   2-process runs).
@@ -13,7 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -21,10 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 REPO = Path(__file__).resolve().parents[1]
-JAX_CACHE = os.environ.get("JAXMP_TEST_JAX_CACHE") or os.path.join(
-    tempfile.gettempdir(), f"jaxmp-test-jax-cache-{jax.__version__}")
-jax.config.update("jax_compilation_cache_dir", JAX_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+JAX_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"]  # set in conftest.py
 
 TINY_GPT = ["model.layers=2", "model.d_model=32", "model.heads=4", "data.source=synthetic",
             "data.seq_len=16", "train.batch_size=8", "train.eval_every=0", "logging.every=1",

@@ -82,3 +82,36 @@ def test_grad_accumulation_equals_full_batch():
     for a, f in zip(_leaves(accum[1]), _leaves(full[1]), strict=True):
         np.testing.assert_allclose(a, f, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(accum[3], full[3], rtol=1e-5)
+
+
+class _Dropout(nnx.Module):
+    """A model whose forward pass draws random numbers (RNG state lives in TrainState.rest)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (16, 32)) * 0.1,
+                           out_sharding=("embed", "mlp"), eager_sharding=False)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(x @ self.w[...])
+
+
+def _dropout_losses(axes, devices=None):
+    mesh = jaxmp.make_mesh(axes, devices)
+    tx, sched = make_optimizer(OPT, 10), make_schedule(OPT, 10)
+    layout = plan_state(_Dropout, tx, mesh)
+    state = init_state(layout, _Dropout, tx, seed=0)
+    batch = {"x": np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)}
+    step = make_train_step(layout, lambda m, b: (m(b["x"]) ** 2).mean(), tx, sched, batch)
+    losses = []
+    for _ in range(3):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    return losses, state_bytes(state)
+
+
+def test_models_with_rng_state_train_and_shard_exactly():
+    losses, nbytes = _dropout_losses({}, one_device())
+    assert len(set(losses)) == 3 and nbytes > 0  # fresh dropout masks every step
+    np.testing.assert_allclose(_dropout_losses({"data": 2, "fsdp": 2, "tensor": 2})[0], losses,
+                               rtol=1e-5)

@@ -124,9 +124,16 @@ def merge_model(layout: StateLayout, state: TrainState) -> nnx.Module:
     return nnx.merge(layout.graphdef, state.params, state.rest)
 
 
+def _nbytes(x: Any) -> int:
+    """Bytes of an array or ShapeDtypeStruct; typed PRNG keys count their key data."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.eval_shape(jax.random.key_data, x)
+    return int(x.size) * jnp.dtype(x.dtype).itemsize
+
+
 def state_bytes(tree: Any) -> int:
     """Total bytes of all arrays in ``tree`` (global, not per device)."""
-    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return sum(_nbytes(x) for x in jax.tree.leaves(tree))
 
 
 def addressable_bytes(tree: Any) -> int:
@@ -136,5 +143,5 @@ def addressable_bytes(tree: Any) -> int:
     for x in jax.tree.leaves(tree):
         for shard in x.addressable_shards:
             if shard.device == dev:
-                total += shard.data.size * shard.data.dtype.itemsize
+                total += _nbytes(shard.data)
     return total

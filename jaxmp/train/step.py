@@ -48,7 +48,7 @@ def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
     graphdef = layout.graphdef
 
     def loss_of(params: Any, rest: Any, batch: dict) -> tuple[jax.Array, tuple]:
-        model = nnx.merge(graphdef, params, rest)
+        model = nnx.merge(graphdef, params, rest, copy=True)
         loss, aux = _split_loss(loss_fn(model, batch))
         weight = aux.pop("weight", jnp.float32(1.0))
         _, _, new_rest = nnx.split(model, nnx.Param, ...)
@@ -128,7 +128,7 @@ def make_eval_step(layout: StateLayout, loss_fn: LossFn, example_batch: dict,
 
     def evaluate(state: TrainState, batch: dict) -> jax.Array:
         with rules_lib.activation_sharding(layout.mesh, rules):
-            model = nnx.merge(layout.graphdef, state.params, state.rest)
+            model = nnx.merge(layout.graphdef, state.params, state.rest, copy=True)
             loss, _ = _split_loss(loss_fn(model, batch))
             return loss
 

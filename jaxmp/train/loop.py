@@ -134,7 +134,7 @@ class Trainer:
                          f"steps {start_step}..{t.steps}; run dir {self.run_dir}")
         profile = _Profiler(cfg.logging.profile_steps, self.run_dir, self.is_main)
         last_log, last_time, metrics = start_step, time.perf_counter(), {}
-        preempt = Preemption(ckpt.enabled).install()
+        preempt = Preemption().install()  # stop cleanly even with checkpoints off
         try:
             for step in range(start_step, t.steps):
                 profile.maybe_start(step)
@@ -160,8 +160,9 @@ class Trainer:
                     last_log, last_time = done, time.perf_counter()
                 ckpt.maybe_save(done, self.state, data_iter, force=stop or done == t.steps)
                 if stop:
-                    say(f"jaxmp: stopped by {preempt.reason} at step {done}; checkpoint "
-                        f"saved in {ckpt.dir}")
+                    where = f"checkpoint saved in {ckpt.dir}" if ckpt.enabled else \
+                        "checkpoints are disabled, nothing saved"
+                    say(f"jaxmp: stopped by {preempt.reason} at step {done}; {where}")
                     break
         finally:
             preempt.close()

@@ -12,27 +12,14 @@ import sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-import jaxmp  # noqa: E402
-from helpers import TINY, gpt_fn, lm_batch  # noqa: E402
-from jaxmp.hlo import collective_stats  # noqa: E402
-from jaxmp.models import lm_loss  # noqa: E402
-from jaxmp.train.state import (OptimizerSpec, make_optimizer, make_schedule, plan_state,  # noqa: E402
-                               state_bytes)
-from jaxmp.train.step import make_train_step  # noqa: E402
+from helpers import TINY, step_collectives  # noqa: E402
 
 print("| head | mesh | param bytes P | sent (folded) | sent (raw CPU) | folded / ((N-1)/N·P) | by kind (folded) |")
 print("|---|---|---:|---:|---:|---:|---|")
 for tied in (True, False):
     cfg = dataclasses.replace(TINY, tie_embeddings=tied)
     for axes in [{"data": 8}, {"fsdp": 8}, {"tensor": 8}, {"data": 2, "fsdp": 2, "tensor": 2}]:
-        mesh = jaxmp.make_mesh(axes)
-        opt = OptimizerSpec()
-        tx, sched = make_optimizer(opt, 10), make_schedule(opt, 10)
-        layout = plan_state(gpt_fn(cfg), tx, mesh)
-        batch = lm_batch(batch=16)
-        step = make_train_step(layout, lm_loss, tx, sched, batch)
-        st = collective_stats(step.lower(layout.abstract, batch).compile())
-        p = state_bytes(layout.abstract.params)
+        st, p = step_collectives(axes, cfg)
         kinds = ", ".join(f"{k} {v:,.0f}" for k, v in st.bytes_by_kind.items() if v)
         name = "×".join(f"{k}{v}" for k, v in axes.items())
         print(f"| {'tied' if tied else 'untied'} | {name} | {p:,} | {st.total_bytes:,.0f} | "

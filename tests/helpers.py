@@ -22,3 +22,21 @@ def lm_batch(batch: int = 8, seq: int = 16, vocab: int = 256, seed: int = 0) -> 
 
 def one_device():
     return jax.devices()[:1]
+
+
+def step_collectives(axes: dict, cfg: GPTConfig = TINY, batch: int = 16):
+    """Compile one train step of ``cfg`` on ``axes`` (8 devices): (CollectiveStats, param bytes)."""
+    import jaxmp
+    from jaxmp.hlo import collective_stats
+    from jaxmp.models import lm_loss
+    from jaxmp.train.state import (OptimizerSpec, make_optimizer, make_schedule, plan_state,
+                                   state_bytes)
+    from jaxmp.train.step import make_train_step
+
+    opt = OptimizerSpec()
+    tx, sched = make_optimizer(opt, 10), make_schedule(opt, 10)
+    layout = plan_state(gpt_fn(cfg), tx, jaxmp.make_mesh(axes))
+    example = lm_batch(batch=batch)
+    step = make_train_step(layout, lm_loss, tx, sched, example)
+    stats = collective_stats(step.lower(layout.abstract, example).compile())
+    return stats, state_bytes(layout.abstract.params)

@@ -9,26 +9,14 @@ import dataclasses
 
 import pytest
 
-import jaxmp
-from jaxmp.hlo import collective_stats
-from jaxmp.models import lm_loss
-from jaxmp.train.state import OptimizerSpec, make_optimizer, make_schedule, plan_state, state_bytes
-from jaxmp.train.step import make_train_step
-from helpers import TINY, gpt_fn, lm_batch
+from helpers import TINY, step_collectives
 
 N = 8
 
 
 def _sent(axes: dict, cfg) -> tuple[float, float, float]:
-    mesh = jaxmp.make_mesh(axes)
-    opt = OptimizerSpec()
-    tx, sched = make_optimizer(opt, 10), make_schedule(opt, 10)
-    layout = plan_state(gpt_fn(cfg), tx, mesh)
-    batch = lm_batch(batch=16)
-    step = make_train_step(layout, lm_loss, tx, sched, batch)
-    stats = collective_stats(step.lower(layout.abstract, batch).compile())
-    embed_bytes = cfg.vocab_size * cfg.d_model * 4
-    return stats.total_bytes, state_bytes(layout.abstract.params), embed_bytes
+    stats, params = step_collectives(axes, cfg)
+    return stats.total_bytes, params, cfg.vocab_size * cfg.d_model * 4
 
 
 UNTIED = dataclasses.replace(TINY, tie_embeddings=False)

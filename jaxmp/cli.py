@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxmp.ckpt.cli import add_ckpt_parser  # imports no jax
 
     add_ckpt_parser(sub)
+    from jaxmp.plan.cli import add_plan_parser  # imports no jax
+
+    add_plan_parser(sub)
     return p
 
 
@@ -108,9 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0) and EXIT_BAD_INPUT
     from jaxmp.ckpt import CheckpointError
     from jaxmp.config import ConfigError
+    from jaxmp.plan.errors import PlanError
 
     bad_input: tuple[type[BaseException], ...] = (ConfigError, UsageError, FileNotFoundError,
-                                                  CheckpointError)
+                                                  CheckpointError, PlanError)
     try:
         return args.func(args)
     except Exception as e:  # noqa: BLE001 - sorted below into bad input / runtime failure

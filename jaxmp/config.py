@@ -286,6 +286,21 @@ class XlaConfig(_Section):
 
 
 @dataclass(frozen=True)
+class DeviceConfig(_Section):
+    """Device profile for MFU and the planner; 0 keeps the detected profile's value."""
+
+    section: ClassVar[str] = "device"
+    kind: str = "auto"  # "auto" (detect), or a profile name: A100-40GB, A100-80GB, H100, H200, CPU
+    peak_flops: float = _f(0.0, ge=0)  # FLOP/s per device (dense bf16)
+    memory_bytes: float = _f(0.0, ge=0)
+    memory_bw: float = _f(0.0, ge=0)  # bytes/s
+    intra_host_bw: float = _f(0.0, ge=0)  # bytes/s per device inside a host
+    inter_host_bw: float = _f(0.0, ge=0)  # bytes/s per device across hosts
+    devices_per_host: int = _f(0, ge=0)
+    usable_fraction: float = _f(0.0, ge=0, le=1)  # of memory_bytes the planner may fill
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole run configuration; one frozen dataclass per TOML section."""
 
@@ -297,6 +312,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     xla: XlaConfig = field(default_factory=XlaConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -1,67 +1,127 @@
 """Device profiles: peak FLOP/s, memory and link bandwidths per device kind.
 
-Used for MFU and by the planner's time predictions. Numbers are vendor peaks (dense bf16, no
-sparsity); CPUs have no meaningful datasheet number, so their peak is measured with a matmul.
+Used for MFU and by the planner's predictions. Numbers are vendor peaks per device (dense bf16,
+no sparsity; NVLink and InfiniBand per direction); a cluster that differs (PCIe cards, fewer
+NICs) overrides any of them from the config's ``[device]`` section. CPUs have no meaningful
+datasheet number, so their peak is measured with a large matmul, and their memory is the host's
+RAM, which all simulated devices of the host share.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any
+
+GiB = 1024**3
 
 
 @dataclass(frozen=True)
 class DeviceProfile:
     kind: str
     peak_flops: float  # dense bf16 FLOP/s per device
-    memory_bytes: float  # HBM (or host RAM share) per device
+    memory_bytes: float  # HBM per device (CPU: the host's RAM, shared by its devices)
     memory_bw: float  # bytes/s, HBM
-    intra_host_bw: float  # bytes/s per device over the fastest link inside a host (NVLink)
-    inter_host_bw: float  # bytes/s per device across hosts (InfiniBand / Ethernet)
+    intra_host_bw: float  # bytes/s each device sends over the fastest link inside a host
+    inter_host_bw: float  # bytes/s each device sends across hosts (InfiniBand / Ethernet)
+    devices_per_host: int = 8  # 0: every device is on one host (simulated CPU devices)
+    usable_fraction: float = 0.75  # of memory_bytes a process may fill (JAX GPU preallocation)
+    shared_host: bool = False  # devices share the host's cores and RAM (CPU simulation)
+    # The backend computes 16-bit matmuls in float32 (XLA:CPU): their activations and the
+    # collectives on them are float32-sized.
+    upcasts_16bit: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
-GiB = 1024**3
 PROFILES: dict[str, DeviceProfile] = {
     "A100-40GB": DeviceProfile("A100-40GB", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9),
     "A100-80GB": DeviceProfile("A100-80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9),
     "H100": DeviceProfile("H100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9),
-    "H200": DeviceProfile("H200", 989e12, 141 * GiB, 4.8e12, 450e9, 50e9),
-    # CPU: peak measured at run time; memory is a share of a 24 GiB host; "links" are memcpy.
-    "CPU": DeviceProfile("CPU", 5e10, 3 * GiB, 2e10, 1e10, 1e9),
+    "H200": DeviceProfile("H200", 989e12, 141e9, 4.8e12, 450e9, 50e9),
+    # CPU: peak measured at run time, memory read from the host; "links" are memcpy.
+    "CPU": DeviceProfile("CPU", 5e10, 16 * GiB, 2e10, 1e10, 1e9, devices_per_host=0,
+                         usable_fraction=0.8, shared_host=True, upcasts_16bit=True),
 }
+OVERRIDABLE = tuple(f.name for f in dataclasses.fields(DeviceProfile)
+                    if f.name not in ("kind", "shared_host", "upcasts_16bit"))
 
 
-def _match(device_kind: str) -> str:
+class UnknownDeviceError(ValueError):
+    """A device kind that no profile matches (and no override supplies the numbers)."""
+
+
+def match_kind(device_kind: str) -> str | None:
+    """The profile name for a ``jax.devices()[0].device_kind`` string, or None."""
+    if device_kind in PROFILES:
+        return device_kind
     k = device_kind.upper()
     if "H200" in k:
         return "H200"
-    if "H100" in k or "H800" in k:
+    if "H100" in k or "H800" in k or "GH200" in k:
         return "H100"
-    if "A100" in k:
+    if "A100" in k or "A800" in k:
         return "A100-80GB" if "80" in k else "A100-40GB"
-    return "CPU"
+    if k in ("CPU", "HOST") or k.startswith("CPU"):
+        return "CPU"
+    return None
 
 
-def profile_for(device_kind: str | None = None, measure_cpu: bool = True) -> DeviceProfile:
-    """The profile for a ``jax.devices()[0].device_kind`` string (or a profile name)."""
+def _host_memory() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return PROFILES["CPU"].memory_bytes
+
+
+def profile_for(device_kind: str | None = None, measure_cpu: bool = True,
+                overrides: Mapping[str, Any] | None = None, strict: bool = False) -> DeviceProfile:
+    """The profile for a ``device_kind`` string or profile name (default: the first device's).
+
+    ``overrides`` (e.g. the config's ``[device]`` section) replaces any field; a value of 0 or
+    None keeps the table's number. An unknown kind is an error with ``strict`` (the planner)
+    unless overrides give at least ``peak_flops`` and ``memory_bytes``; otherwise (MFU) it gets
+    the first device's measured matmul rate.
+    """
     if device_kind is None:
         import jax
 
         device_kind = jax.devices()[0].device_kind
-    name = device_kind if device_kind in PROFILES else _match(device_kind)
-    prof = PROFILES[name]
-    if name == "CPU" and measure_cpu:
-        prof = replace(prof, peak_flops=measured_matmul_flops())
-    return prof
+    given = {k: v for k, v in (overrides or {}).items() if v not in (None, 0, 0.0, "")}
+    bad = sorted(set(given) - set(OVERRIDABLE))
+    if bad:
+        raise UnknownDeviceError(f"device.{bad[0]}: not a device profile field "
+                                 f"(fields: {', '.join(OVERRIDABLE)})")
+    name = match_kind(device_kind)
+    if name is None and not strict and not {"peak_flops", "memory_bytes"} <= set(given):
+        name = "CPU"
+    if name is None:
+        if not {"peak_flops", "memory_bytes"} <= set(given):
+            known = ", ".join(PROFILES)
+            raise UnknownDeviceError(
+                f"unknown device kind {device_kind!r} (known: {known}); give --device-kind or "
+                f"set device.peak_flops and device.memory_bytes")
+        base = replace(PROFILES["H100"], kind=device_kind)
+    else:
+        base = PROFILES[name]
+        if name == "CPU":
+            base = replace(base, memory_bytes=_host_memory())
+            if measure_cpu and "peak_flops" not in given:
+                base = replace(base, peak_flops=measured_matmul_flops())
+    return replace(base, **given)
 
 
 @lru_cache(maxsize=1)
 def measured_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of a large float32 matmul on the first device: the CPU's practical peak.
 
-    Note: with simulated devices all of them share the same cores, so per-device MFU on CPU is
-    measured against the whole host's matmul rate divided by nothing: it is an upper bound.
+    Note: with simulated devices all of them share the same cores, so this is the host's rate;
+    the planner divides it among the host's devices (``shared_host``).
     """
     import jax
     import jax.numpy as jnp

@@ -43,9 +43,18 @@ def lm_batches(config: Config, split: str = "train", seed_offset: int = 0):
 def gpt_trainer(config: Config, run_dir: str | os.PathLike) -> Trainer:
     """A Trainer for the configured GPT on the configured token source."""
     cfg = gpt_config(config)
+    plan = None
+    if config.mesh.is_auto:  # the planner picks the mesh from the cost model
+        import jax
+
+        from jaxmp.planner import plan_for_config
+
+        # measure_cpu=False: every process of a multi-host run must reach the same plan
+        plan = plan_for_config(config, jax.device_count(), remats=(config.model.remat,),
+                               measure_cpu=False, strict=False).to_json()
     eval_data = None
     if config.train.eval_every > 0 and config.data.source != "synthetic":
         eval_data = lambda: lm_batches(config, split="eval")  # noqa: E731 - fresh, same batches
     return Trainer(config, gpt_model_fn(config), lm_loss, lm_batches(config), run_dir=run_dir,
-                   eval_data=eval_data,
+                   eval_data=eval_data, plan=plan,
                    model_flops_per_token=cfg.flops_per_token(config.data.seq_len))

@@ -25,6 +25,8 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path: Path):
     r = jaxmp("train", "--run-dir", str(run), *SMALL, "--set", "logging.profile_steps=[2, 4]")
     assert r.returncode == 0, r.stderr[-2000:]
     assert (run / "config.toml").is_file() and (run / "plan.json").is_file()
+    plan = json.loads((run / "plan.json").read_text())  # mesh "auto": the planner's choice
+    assert plan["predicted"]["step_time_s"] > 0 and plan["mesh"]["data"] == 1
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [4, 8, 12, 16, 20, 24]
     for key in ("loss", "tokens_per_s", "step_time_s", "model_flops_per_step", "mfu",

@@ -272,7 +272,7 @@ def test_config_to_dict_is_plain_json():
     d = config_to_dict(load_config(None, ["logging.profile_steps=[1, 4]"]))
     assert d["logging"]["profile_steps"] == [1, 4]
     assert list(d) == [
-        "model", "mesh", "data", "optimizer", "train", "checkpoint", "logging", "xla"]
+        "model", "mesh", "data", "optimizer", "train", "checkpoint", "logging", "xla", "device"]
     assert json.loads(json.dumps(d)) == d
 
 

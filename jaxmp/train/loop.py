@@ -33,15 +33,13 @@ def optimizer_spec(config: Config) -> OptimizerSpec:
                          clip_norm=o.clip_norm)
 
 
-def mesh_for(config: Config, devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
-    """The mesh the config asks for; ``auto`` axes are chosen by the planner."""
+def mesh_for(config: Config, devices: Sequence[jax.Device] | None = None,
+             plan: dict | None = None) -> jax.sharding.Mesh:
+    """The mesh the config asks for; with ``mesh`` all ``auto``, the plan's (else data-parallel)."""
     devices = list(devices if devices is not None else jax.devices())
-    if config.mesh.is_auto:
-        from jaxmp.planner import choose_mesh
-
-        return make_mesh(choose_mesh(config, len(devices)), devices)
+    sizes = plan["mesh"] if plan is not None and config.mesh.is_auto else config.mesh.sizes()
     try:
-        return make_mesh(config.mesh.sizes(), devices)
+        return make_mesh(sizes, devices)
     except ValueError as e:  # a config that cannot fit the devices is bad input, not a crash
         raise ConfigError(f"mesh: {e}") from None
 
@@ -52,7 +50,9 @@ class Trainer:
     ``model_fn(rngs)`` builds the model; ``loss_fn(model, batch)`` returns a scalar loss or
     ``(loss, aux)``; ``data`` yields this process's rows of each global batch as numpy dicts.
     ``rules`` are tried before the defaults (first match wins), ``path_rules`` name the axes of
-    parameters that carry no logical-name metadata.
+    parameters that carry no logical-name metadata. ``plan`` (``Plan.to_json()`` from
+    ``jaxmp.planner``) supplies the mesh when the config leaves it on ``auto`` and is written to
+    ``plan.json``; without one an ``auto`` mesh is plain data parallelism.
     """
 
     def __init__(self, config: Config, model_fn: Callable, loss_fn: LossFn,
@@ -60,7 +60,7 @@ class Trainer:
                  path_rules: Sequence | None = None, run_dir: str | os.PathLike = "runs/default",
                  eval_data: Callable[[], Iterable[dict]] | None = None,
                  model_flops_per_token: float | None = None,
-                 devices: Sequence[jax.Device] | None = None):
+                 devices: Sequence[jax.Device] | None = None, plan: dict | None = None):
         self.config = config
         self.model_fn = model_fn
         self.loss_fn = loss_fn
@@ -70,7 +70,8 @@ class Trainer:
         self.path_rules = path_rules
         self.run_dir = Path(run_dir)
         self.flops_per_token = model_flops_per_token
-        self.mesh = mesh_for(config, devices)
+        self.plan = plan
+        self.mesh = mesh_for(config, devices, plan)
         self.is_main = jax.process_index() == 0
         self.tx = make_optimizer(optimizer_spec(config), config.train.steps)
         self.schedule = make_schedule(optimizer_spec(config), config.train.steps)
@@ -91,7 +92,7 @@ class Trainer:
                 "param_bytes": state_bytes(self.layout.abstract.params),
                 "state_bytes": state_bytes(self.layout.abstract),
                 "lint": lint.to_dict()}
-        if getattr(self, "plan", None) is not None:
+        if self.plan is not None:
             plan.update(self.plan)
         _atomic_write(self.run_dir / "plan.json", json.dumps(plan, indent=2, default=str) + "\n")
 

@@ -1,0 +1,221 @@
+"""jaxmp.cost: FLOPs counted from jaxprs, per-layer costs of NNX models, checked against
+Megatron's formula and XLA's cost_analysis of each layer compiled alone."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxmp.cost import model_costs, xla_layer_check
+from jaxmp.models import GPT, GPTConfig, lm_loss
+from jaxmp.plan import flops as F
+
+# Big enough that matmuls dominate (as in any real model), small enough to trace in a second.
+MID = GPTConfig(vocab_size=512, layers=3, d_model=256, heads=4, kv_heads=4, head_dim=64,
+                mlp_dim=1024)
+B, S = 8, 64
+
+
+def _batch(b: int = B, s: int = S) -> dict:
+    return {"inputs": jax.ShapeDtypeStruct((b, s), jnp.int32),
+            "targets": jax.ShapeDtypeStruct((b, s), jnp.int32)}
+
+
+@pytest.fixture(scope="module")
+def mid_cost():
+    return model_costs(lambda r: GPT(MID, rngs=r), _batch(), lm_loss)
+
+
+# ---------------------------------------------------------------- the FLOP counter
+
+def _count(fn, *args) -> F.Counts:
+    return F.count_jaxpr(jax.make_jaxpr(fn)(*args)).total
+
+
+def test_dot_general_is_exact():
+    a, b = jnp.ones((3, 5, 7)), jnp.ones((3, 7, 11))
+    assert _count(lambda x, y: jnp.einsum("bij,bjk->bik", x, y), a, b).flops == 2 * 3 * 5 * 7 * 11
+
+
+def test_conv_is_exact():
+    x, w = jnp.ones((2, 3, 16, 16)), jnp.ones((8, 3, 3, 3))
+    out = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")
+    c = _count(lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME"), x, w)
+    assert c.flops == 2 * out.size * 3 * 3 * 3
+
+
+def test_elementwise_reductions_transcendentals_and_free_ops():
+    x = jnp.ones((4, 8))
+    c = _count(lambda x: jnp.sum(jnp.exp(x) * 2.0 + x.T.T), x)
+    assert c.transcendentals == 32  # exp
+    assert c.flops == 32 + 32 + 32  # mul, add, reduce over the input; transposes are free
+
+
+def test_scan_multiplies_by_its_length_and_cond_takes_the_larger_branch():
+    w = jnp.ones((5, 6, 6))
+
+    def body(h, wi):
+        return h @ wi, None
+
+    c = _count(lambda h, w: jax.lax.scan(body, h, w)[0], jnp.ones((2, 6)), w)
+    assert c.flops == 5 * 2 * 2 * 6 * 6
+    big = _count(lambda p, x: jax.lax.cond(p, lambda x: x @ x, lambda x: x + 1, x),
+                 True, jnp.ones((4, 4)))
+    assert big.flops == 2 * 4 * 4 * 4
+
+
+def test_backward_equations_are_marked():
+    f = lambda w, x: jnp.sum(jnp.tanh(x @ w))  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(f))(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    kinds = {F.is_backward(e.name_stack) for e in F.iter_eqns(jaxpr)}
+    assert kinds == {True, False}
+
+
+# ---------------------------------------------------------------- per-layer costs
+
+def test_gpt_layers_in_order_with_tied_embedding(mid_cost):
+    names = [lay.name for lay in mid_cost.layers]
+    assert names == ["pre", "blocks/0", "blocks/1", "blocks/2", "final_norm", "post"]
+    pre, post = mid_cost.layers[0], mid_cost.layers[-1]
+    assert [x.path for x in pre.params] == ["embed"] == [x.path for x in post.params]
+    assert mid_cost.param_count == MID.n_params  # the tied table counted once
+    block = mid_cost.layers[1]
+    assert block.param_count * MID.layers + pre.param_count + MID.d_model == MID.n_params
+    assert block.optimizer_bytes == 2 * block.param_bytes  # Adam: two moments
+    assert block.in_loop and not pre.in_loop
+    assert block.boundary_bytes == block.input_bytes == B * S * MID.d_model * 4
+
+
+def test_layer_flops_sum_to_the_whole_program(mid_cost):
+    total_fwd = sum(lay.fwd_flops for lay in mid_cost.layers)
+    total_bwd = sum(lay.bwd_flops for lay in mid_cost.layers)
+    assert total_fwd == pytest.approx(mid_cost.program_fwd_flops, rel=0.01)
+    assert total_bwd == pytest.approx(mid_cost.program_bwd_flops, rel=0.01)
+
+
+def test_training_flops_match_megatron(mid_cost):
+    """72·B·s·l·h²·(1 + s/6h) + 6·B·s·h·V (no recompute), within 3 %."""
+    h, n, v = MID.d_model, MID.layers, MID.vocab_size
+    megatron = 72 * B * S * n * h * h * (1 + S / (6 * h)) + 6 * B * S * h * v
+    assert mid_cost.flops_per_step("none") == pytest.approx(megatron, rel=0.03)
+    assert mid_cost.flops_per_step("none") == pytest.approx(
+        MID.flops_per_token(S) * B * S, rel=0.03)
+
+
+def test_each_layer_matches_xla_cost_analysis(mid_cost):
+    rows = xla_layer_check(mid_cost)
+    assert {r["layer"] for r in rows} == {"blocks", "final_norm"}
+    for r in rows:
+        if r["pass"] == "fwd" or r["layer"] == "blocks":
+            assert r["rel_err"] < 0.05, r
+        else:  # a norm alone: elementwise only, XLA fuses and duplicates some of it
+            assert r["rel_err"] < 0.15, r
+
+
+def test_remat_policies_trade_memory_for_recompute(mid_cost):
+    block = mid_cost.layers[1]
+    none, dots, full = (block.saved[p].bytes for p in ("none", "save_dots", "full"))
+    assert full < dots < none
+    assert full == block.input_bytes  # full remat keeps only the block's input
+    assert block.recompute_flops["none"] == 0
+    assert 0 < block.recompute_flops["save_dots"] < block.recompute_flops["full"]
+    assert block.recompute_flops["full"] <= block.fwd_flops
+
+
+def test_fusion_and_backward_working_set(mid_cost):
+    block = mid_cost.layers[1]
+    # Straight-line code keeps fewer activations than a scan materialises, never more.
+    assert block.fused["none"].bytes < block.saved["none"].bytes
+    assert block.fused["full"].bytes == block.saved["full"].bytes
+    # Recomputing the block in the backward pass needs more room than keeping it did.
+    peaks = {p: block.transient[p].peak(B) for p in ("none", "full")}
+    assert 0 < peaks["none"] < peaks["full"]
+    assert block.transient["none"].peak(B // 2) == pytest.approx(peaks["none"] / 2, rel=0.05)
+    assert block.transient["none"].peak(B, lambda shape, bdim: 2) == pytest.approx(
+        peaks["none"] / 2)
+
+
+def test_costs_scale_with_rows(mid_cost):
+    half = model_costs(lambda r: GPT(MID, rngs=r), _batch(B // 2), lm_loss,
+                       policies=("none",))
+    for a, b in zip(mid_cost.layers, half.layers):
+        # Linear in the rows, up to the batch-independent bits (rotary tables: ~1e-5).
+        assert b.fwd_flops == pytest.approx(a.fwd_flops / 2, rel=1e-4)
+        saved = a.saved["none"]
+        assert saved.bytes_at(B // 2) == pytest.approx(b.saved["none"].bytes, rel=1e-6)
+
+
+def test_post_layer_keeps_the_logits(mid_cost):
+    post = mid_cost.layers[-1]
+    assert post.saved["none"].bytes >= B * S * MID.vocab_size * 4
+    assert post.fwd_flops >= 2 * B * S * MID.d_model * MID.vocab_size
+
+
+class _Mixer(nnx.Module):
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.w = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.nn.relu(self.w(x)) + x
+
+
+class _Tower(nnx.Module):
+    """Not our GPT: a list of layers, a head, Linen-free plain nnx.Linear params."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.stem = nnx.Linear(16, 32, rngs=rngs)
+        self.layers = nnx.List([_Mixer(32, rngs) for _ in range(3)])
+        self.head = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.stem(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_any_nnx_model():
+    rows = 10
+    cost = model_costs(lambda r: _Tower(r), jax.ShapeDtypeStruct((rows, 16), jnp.float32),
+                       tx=optax.adamw(1e-3))
+    names = [lay.name for lay in cost.layers]
+    assert names == ["pre", "stem", "layers/0", "layers/1", "layers/2", "head", "post"]
+    by = {lay.name: lay for lay in cost.layers}
+    assert by["stem"].fwd_flops == 2 * rows * 16 * 32 + rows * 32  # matmul + bias
+    # bias, relu, its derivative mask (computed in the forward pass for the backward), + x
+    assert by["layers/1"].fwd_flops == 2 * rows * 32 * 32 + 4 * rows * 32
+    assert by["stem"].bwd_flops >= 2 * by["stem"].fwd_flops - rows * 32 * 2
+    assert by["layers/0"].param_count == 32 * 32 + 32
+    # optax.adamw: two moments (and a step count)
+    assert by["layers/0"].optimizer_bytes == pytest.approx(2 * by["layers/0"].param_bytes,
+                                                           abs=16)
+    assert sum(lay.param_count for lay in cost.layers) == 16 * 32 + 32 + 3 * (32 * 32 + 32) \
+        + 32 * 4 + 4
+    assert by["layers/2"].boundary_bytes == rows * 32 * 4
+
+
+def test_unrolled_stack_costs_the_same():
+    unrolled = dataclasses.replace(MID, scan_layers=False, layers=2)
+    scanned = dataclasses.replace(MID, layers=2)
+    a = model_costs(lambda r: GPT(unrolled, rngs=r), _batch(), lm_loss, policies=("none",))
+    b = model_costs(lambda r: GPT(scanned, rngs=r), _batch(), lm_loss, policies=("none",))
+    assert [x.name for x in a.layers] == [x.name for x in b.layers]
+    for x, y in zip(a.layers, b.layers):
+        assert x.fwd_flops == pytest.approx(y.fwd_flops, rel=1e-6)
+        assert x.param_bytes == y.param_bytes
+    assert not a.layers[1].in_loop and b.layers[1].in_loop
+    assert a.flops_per_step() == pytest.approx(a.program_fwd_flops + a.program_bwd_flops,
+                                               rel=0.01)
+
+
+def test_saved_divisor_applies_per_array(mid_cost):
+    block = mid_cost.layers[1].saved["none"]
+    assert block.bytes_at(B, lambda shape, bdim: 2) == pytest.approx(block.bytes / 2)
+    const, per_row = block.split()
+    assert const + per_row * B == pytest.approx(block.bytes)
+    assert np.isfinite(per_row) and per_row > 0

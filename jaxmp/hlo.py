@@ -317,7 +317,7 @@ def _multipliers(mod: _Module, warn: list[str]) -> tuple[dict[str, int], set[str
     return {c: mult(c) for c in seen}, branchy
 
 
-_PASS_THROUGH = {"bitcast", "copy", "reshape", "transpose", "get-tuple-element"}
+_PASS_THROUGH = {"bitcast", "copy", "reshape", "transpose", "get-tuple-element", "convert"}
 
 
 def _users(instrs: dict[str, _Instr]) -> dict[str, list[_Instr]]:

@@ -117,6 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                   CheckpointError, PlanError)
     try:
         return args.func(args)
+    except BrokenPipeError:  # output piped into `head` and closed early: not a failure
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as e:  # noqa: BLE001 - sorted below into bad input / runtime failure
         # DataError is looked up only now: importing jaxmp.data imports jax, which must wait
         # until the command has set XLA_FLAGS (--simulate-devices).

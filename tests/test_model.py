@@ -34,7 +34,7 @@ def _loss_and_grads(cfg, mesh=None):
     return jax.jit(g)(jax.device_put(params, shardings))
 
 
-def _close(a, b, rtol=1e-5):
+def _assert_close(a, b, rtol=1e-5):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb)
     for x, y in zip(la, lb):
@@ -53,7 +53,7 @@ def test_initial_loss_is_uniform():
                          ids=["unrolled", "remat-full", "remat-save_dots", "unrolled-save_dots"])
 def test_execution_modes_compute_the_same(change):
     ref = _loss_and_grads(TINY)
-    _close(_loss_and_grads(dataclasses.replace(TINY, **change)), ref)
+    _assert_close(_loss_and_grads(dataclasses.replace(TINY, **change)), ref)
 
 
 @pytest.mark.parametrize("change", [dict(kv_heads=2), dict(activation="swiglu"),
@@ -61,7 +61,7 @@ def test_execution_modes_compute_the_same(change):
 def test_variants_shard_exactly(change):
     cfg = dataclasses.replace(TINY, **change)
     mesh = jaxmp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    _close(_loss_and_grads(cfg, mesh), _loss_and_grads(cfg))
+    _assert_close(_loss_and_grads(cfg, mesh), _loss_and_grads(cfg))
 
 
 def test_param_count_matches_model():

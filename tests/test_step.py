@@ -7,7 +7,6 @@ import pytest
 from flax import nnx
 
 import jaxmp
-from jaxmp.data import to_global
 from jaxmp.models import lm_loss
 from jaxmp.train.state import (OptimizerSpec, addressable_bytes, init_state, make_optimizer,
                                make_schedule, plan_state, state_bytes)

@@ -276,3 +276,43 @@ def test_predictions_match_the_compiled_step(axes):
 
 def test_config_profile_detects_the_cpu():
     assert config_profile(_config()).kind == "CPU"
+
+
+def test_trainer_plans_a_custom_model_from_an_example_batch(tmp_path):
+    """mesh on auto + example_batch: the Trainer plans any NNX model and writes plan.json."""
+    import json
+
+    import numpy as np
+    from flax import nnx
+
+    import jaxmp
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            init = jax.random.normal
+            self.w1 = nnx.Param(init(rngs.params(), (32, 128)) * 0.1,
+                                out_sharding=("embed", "mlp"), eager_sharding=False)
+            self.w2 = nnx.Param(init(rngs.params(), (128, 32)) * 0.1,
+                                out_sharding=("mlp", "embed"), eager_sharding=False)
+
+        def __call__(self, x):
+            return jax.nn.relu(x @ self.w1[...]) @ self.w2[...]
+
+    def loss(model, b):
+        return jax.numpy.mean((model(b["x"]) - b["y"]) ** 2)
+
+    def data():
+        rng = np.random.default_rng(0)
+        while True:
+            x = rng.normal(size=(16, 32)).astype(np.float32)
+            yield {"x": x, "y": x[:, ::-1].copy()}
+
+    config = load_config(None, ["train.steps=2", "logging.every=1", "checkpoint.enabled=false",
+                                "logging.tensorboard=false", "logging.progress=false"])
+    example = {k: jax.ShapeDtypeStruct((16, 32), jax.numpy.float32) for k in ("x", "y")}
+    trainer = jaxmp.Trainer(config, MLP, loss, data(), run_dir=tmp_path, example_batch=example)
+    assert trainer.plan["predicted"]["step_time_s"] > 0
+    assert dict(trainer.mesh.shape) == trainer.plan["mesh"]
+    trainer.fit()
+    written = json.loads((tmp_path / "plan.json").read_text())
+    assert written["mesh"] == trainer.plan["mesh"] and "alternatives" in written

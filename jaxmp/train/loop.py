@@ -52,7 +52,9 @@ class Trainer:
     ``rules`` are tried before the defaults (first match wins), ``path_rules`` name the axes of
     parameters that carry no logical-name metadata. ``plan`` (``Plan.to_json()`` from
     ``jaxmp.planner``) supplies the mesh when the config leaves it on ``auto`` and is written to
-    ``plan.json``; without one an ``auto`` mesh is plain data parallelism.
+    ``plan.json``; given instead an ``example_batch`` (global shapes: arrays or
+    ShapeDtypeStructs), the Trainer plans the model itself; with neither, an ``auto`` mesh is
+    plain data parallelism.
     """
 
     def __init__(self, config: Config, model_fn: Callable, loss_fn: LossFn,
@@ -60,16 +62,23 @@ class Trainer:
                  path_rules: Sequence | None = None, run_dir: str | os.PathLike = "runs/default",
                  eval_data: Callable[[], Iterable[dict]] | None = None,
                  model_flops_per_token: float | None = None,
-                 devices: Sequence[jax.Device] | None = None, plan: dict | None = None):
+                 devices: Sequence[jax.Device] | None = None, plan: dict | None = None,
+                 example_batch: Any = None):
         self.config = config
         self.model_fn = model_fn
         self.loss_fn = loss_fn
         self.data = data
         self.eval_data = eval_data
-        self.rules = tuple(rules or ()) + tuple(rules_lib.DEFAULT_RULES)
         self.path_rules = path_rules
         self.run_dir = Path(run_dir)
         self.flops_per_token = model_flops_per_token
+        self.rules = tuple(rules or ()) + tuple(rules_lib.DEFAULT_RULES)
+        if plan is None and example_batch is not None and config.mesh.is_auto:
+            from jaxmp.planner import plan_for_model
+
+            n = len(devices) if devices is not None else jax.device_count()
+            plan = plan_for_model(model_fn, example_batch, n, loss_fn=loss_fn, rules=self.rules,
+                                  grad_accum=config.train.grad_accum).to_json()
         self.plan = plan
         self.mesh = mesh_for(config, devices, plan)
         self.is_main = jax.process_index() == 0

@@ -4,8 +4,9 @@
 of the devices, predicts memory and step time for each (:mod:`jaxmp.plan.predict`), drops the
 ones that do not fit, and returns a :class:`Plan`: the fastest runnable layout, its per-parameter
 partition specs, stage ranges and predictions, and the ranked alternatives with the reason each
-lost. ``plan_for_config`` does this for the configured GPT, ``choose_mesh`` is what the trainer
-calls when the mesh is left on ``auto``. Every prediction is checkable: ``Plan.verify`` compiles
+lost. ``plan_for_config`` does this for the configured GPT (``jaxmp train`` calls it when the
+mesh is left on ``auto``), ``plan_for_model`` for any NNX model (the Trainer, given an
+``example_batch``); ``choose_mesh`` returns just the chosen axis sizes. Every prediction is checkable: ``Plan.verify`` compiles
 the real train step and compares (:mod:`jaxmp.plan.verify`).
 
 Layers (and stage ranges) index the per-layer cost table: ``pre`` (the embedding), each block,

@@ -23,7 +23,7 @@ from jaxmp.mesh import make_mesh, mesh_shape
 from jaxmp.metrics import MetricsWriter, Progress, total_peak_flops
 from jaxmp.train.state import (OptimizerSpec, TrainState, init_state, make_optimizer,
                                make_schedule, plan_state, state_bytes)
-from jaxmp.train.step import LossFn, make_eval_step, make_train_step
+from jaxmp.train.step import LossFn, batch_spec, make_eval_step, make_train_step
 
 
 def optimizer_spec(config: Config) -> OptimizerSpec:
@@ -105,11 +105,11 @@ class Trainer:
             plan.update(self.plan)
         _atomic_write(self.run_dir / "plan.json", json.dumps(plan, indent=2, default=str) + "\n")
 
-    def _flops_per_step(self, step_fn: Callable, batch: dict, tokens: int) -> float:
+    def _flops_per_step(self, compiled: Any, tokens: int) -> float:
         if self.flops_per_token is not None:
             return self.flops_per_token * tokens
         try:  # any model: XLA's count for the compiled step (per device, scans counted once)
-            cost = step_fn.lower(self.state, batch).compile().cost_analysis()
+            cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, (list, tuple)) else cost
             return float(cost.get("flops", float("nan"))) * self.mesh.size
         except Exception:  # noqa: BLE001 - MFU is informative, never fatal
@@ -128,13 +128,14 @@ class Trainer:
         start_step = int(self.state.step)
         data_iter = resume_iterator(self.data, resumed)  # continues the stream after a resume
         batch = self._next_global(data_iter)
+        # Compiled once, ahead of time: the same executable runs the steps and reports its cost.
         step_fn = make_train_step(self.layout, self.loss_fn, self.tx, self.schedule, batch,
-                                  t.grad_accum, self.rules)
+                                  t.grad_accum, self.rules).lower(self.state, batch).compile()
         eval_fn = make_eval_step(self.layout, self.loss_fn, batch, self.rules) \
             if self.eval_data is not None and t.eval_every > 0 else None
         tokens = int(np.prod(batch["inputs"].shape)) if "inputs" in batch else \
             int(jax.tree.leaves(batch)[0].shape[0])
-        flops = self._flops_per_step(step_fn, batch, tokens)
+        flops = self._flops_per_step(step_fn, tokens)
         peak = total_peak_flops(list(self.mesh.devices.flat))
         writer = MetricsWriter(self.run_dir, self.is_main, cfg.logging.tensorboard)
         progress = Progress(t.steps, self.is_main and cfg.logging.progress)
@@ -194,8 +195,8 @@ class Trainer:
             raise RuntimeError("the data iterator ran out before train.steps was reached") from None
 
     def _to_global(self, batch: dict) -> dict:
-        return to_global(batch, self.mesh, rules_lib.logical_spec(
-            ("batch",), (self.config.train.batch_size,), self.mesh, self.rules))
+        return to_global(batch, self.mesh,
+                         batch_spec(self.mesh, self.rules, self.config.train.batch_size))
 
 
 class _Profiler:

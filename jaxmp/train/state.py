@@ -87,18 +87,20 @@ def _split(model: nnx.Module) -> tuple[Any, Any, Any]:
     return nnx.split(model, nnx.Param, ...)
 
 
+def _build(model_fn: ModelFn, tx: optax.GradientTransformation, rngs: nnx.Rngs) -> TrainState:
+    """A fresh state at step 0: the model's params and rest, and the optimizer's state."""
+    _, params, rest = _split(model_fn(rngs))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      rest=rest)
+
+
 def plan_state(model_fn: ModelFn, tx: optax.GradientTransformation, mesh: Mesh,
                rules: Sequence = rules_lib.DEFAULT_RULES,
                path_rules: Sequence | None = None) -> StateLayout:
     """Trace the model abstractly (no FLOPs, no memory) and derive the state's shardings."""
 
-    def build() -> TrainState:
-        graphdef, params, rest = _split(model_fn(nnx.Rngs(0)))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=tx.init(params), rest=rest)
-
     graphdef, _, _ = _split(nnx.eval_shape(lambda: model_fn(nnx.Rngs(0))))
-    abstract = jax.eval_shape(build)
+    abstract = jax.eval_shape(lambda: _build(model_fn, tx, nnx.Rngs(0)))
     shardings = rules_lib.shardings_for(abstract, mesh, rules=rules, path_rules=path_rules)
     return StateLayout(graphdef=graphdef, abstract=abstract, shardings=shardings, mesh=mesh)
 
@@ -107,14 +109,9 @@ def init_state(layout: StateLayout, model_fn: ModelFn, tx: optax.GradientTransfo
                seed: int) -> TrainState:
     """Create params and optimizer state directly in their shards (inside jit)."""
 
-    def build(key: jax.Array) -> TrainState:
-        _, params, rest = _split(model_fn(nnx.Rngs(key)))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=tx.init(params), rest=rest)
-
     key = jax.random.key_data(jax.random.key(seed))
     replicated = NamedSharding(layout.mesh, PartitionSpec())
-    init = jax.jit(lambda k: build(jax.random.wrap_key_data(k)),
+    init = jax.jit(lambda k: _build(model_fn, tx, nnx.Rngs(jax.random.wrap_key_data(k))),
                    in_shardings=replicated, out_shardings=layout.shardings)
     return init(key)
 

@@ -26,11 +26,15 @@ LossFn = Callable[[nnx.Module, dict], Any]  # -> loss or (loss, aux)
 BATCH_NAMES = ("batch",)
 
 
+def batch_spec(mesh: Any, rules: Sequence, rows: int) -> PartitionSpec:
+    """Where a global batch of ``rows`` lives: its leading dim by the logical name ``batch``."""
+    return rules_lib.logical_spec(BATCH_NAMES, (rows,), mesh, rules)
+
+
 def batch_sharding(layout: StateLayout, rules: Sequence, batch: dict) -> dict:
     """Shard every batch array's leading dim by the logical name ``batch``."""
-    return {k: NamedSharding(layout.mesh, rules_lib.logical_spec(
-        BATCH_NAMES + (None,) * (len(v.shape) - 1), v.shape, layout.mesh, rules))
-        for k, v in batch.items()}
+    return {k: NamedSharding(layout.mesh, batch_spec(layout.mesh, rules, v.shape[0]))
+            for k, v in batch.items()}
 
 
 def _split_loss(out: Any) -> tuple[jax.Array, dict]:

@@ -1,7 +1,7 @@
 """jaxmp: a sharded trainer for JAX/Flax.
 
 Names are imported lazily so that ``import jaxmp.config`` (and the CLI) can settle XLA flags
-before jax is imported.
+before jax is imported. The layers, bottom to top, are described in docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from typing import Any
 __version__ = "0.1.0"
 _EXPORTS = {
     "make_mesh": ("jaxmp.mesh", "make_mesh"),
-    "load_config": ("jaxmp.config", "load_config"),
-    "Config": ("jaxmp.config", "Config"),
-    "ConfigError": ("jaxmp.config", "ConfigError"),
-    "Trainer": ("jaxmp.train.loop", "Trainer"),
+    "load_config": ("jaxmp.recipes.gpt_config", "load_config"),
+    "Config": ("jaxmp.recipes.gpt_config", "Config"),
+    "TrainerConfig": ("jaxmp.config", "TrainerConfig"),
+    "ConfigError": ("jaxmp.errors", "ConfigError"),
+    "Trainer": ("jaxmp.train", "Trainer"),
 }
-_SUBMODULES = {"rules", "checkpoint", "config", "data", "mesh", "models", "planner", "cost", "hlo"}
+_SUBMODULES = {"checkpoint", "config", "cost", "data", "errors", "hlo", "mesh", "models", "plan",
+               "rules", "sharding"}
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES)
 
 

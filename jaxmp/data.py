@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -30,6 +29,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxmp._util.io import atomic_write
+from jaxmp.errors import DataError
+
 SEPARATOR = 0  # byte written after every stdlib file: a document boundary the model can learn
 STDLIB_VOCAB = 256
 SYNTHETIC_TOKENS = 2**30  # virtual length of the synthetic stream (never materialised)
@@ -37,10 +39,6 @@ _CHECK_CHUNK = 16 * 2**20  # tokens per chunk when scanning a .bin file for its 
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _SPLITS = ("train", "eval")
 _STATE_KEYS = ("seed", "global_batch", "seq_len", "fingerprint")
-
-
-class DataError(ValueError):
-    """Bad data input (missing file, wrong vocab, bad split); the message is one clear line."""
 
 
 # ----------------------------------------------------------------------------------- sources
@@ -127,18 +125,6 @@ def split_files(files: list[tuple[str, int]], eval_fraction: float) -> tuple[lis
     return [n for n, _ in files if n not in chosen], [n for n, _ in files if n in chosen]
 
 
-def _atomic_write(path: Path, chunks: Iterator[bytes]) -> None:
-    """Write to a temp file beside ``path`` then rename, so readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.writelines(chunks)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def build_stdlib_corpus(eval_fraction: float) -> tuple[Path, dict[str, Any]]:
     """Build (or find cached) the stdlib byte corpus; returns (raw uint8 file, metadata).
 
@@ -166,11 +152,11 @@ def build_stdlib_corpus(eval_fraction: float) -> tuple[Path, dict[str, Any]]:
             sizes[name] = len(body)
             yield body
 
-    _atomic_write(corpus, chunks())
+    atomic_write(corpus, chunks())
     meta = {"key": key, "python": version, "eval_fraction": eval_fraction,
             "train_files": train, "eval_files": held,
             "train_bytes": sum(sizes[n] for n in train), "eval_bytes": sum(sizes[n] for n in held)}
-    _atomic_write(meta_path, iter([json.dumps(meta).encode()]))
+    atomic_write(meta_path, json.dumps(meta))
     return corpus, meta
 
 
@@ -295,11 +281,6 @@ class BatchIterator:
         # give the same permutations shifted by one epoch.
         self._order = grain.MapDataset.range(self.n_windows).shuffle(
             seed=_hash("jaxmp-shuffle", seed)).repeat()
-
-    @property
-    def steps_per_epoch(self) -> float:
-        """Global steps per pass over all windows (for logs; batches may straddle epochs)."""
-        return self.n_windows / self.global_batch
 
     def __iter__(self) -> BatchIterator:
         return self

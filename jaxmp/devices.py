@@ -17,6 +17,12 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
+from jaxmp.config import DeviceConfig
+from jaxmp.errors import UnknownDeviceError
+
 GiB = 1024**3
 
 
@@ -25,7 +31,6 @@ class DeviceProfile:
     kind: str
     peak_flops: float  # dense bf16 FLOP/s per device
     memory_bytes: float  # HBM per device (CPU: the host's RAM, shared by its devices)
-    memory_bw: float  # bytes/s, HBM
     intra_host_bw: float  # bytes/s each device sends over the fastest link inside a host
     inter_host_bw: float  # bytes/s each device sends across hosts (InfiniBand / Ethernet)
     devices_per_host: int = 8  # 0: every device is on one host (simulated CPU devices)
@@ -40,20 +45,16 @@ class DeviceProfile:
 
 
 PROFILES: dict[str, DeviceProfile] = {
-    "A100-40GB": DeviceProfile("A100-40GB", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9),
-    "A100-80GB": DeviceProfile("A100-80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9),
-    "H100": DeviceProfile("H100", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9),
-    "H200": DeviceProfile("H200", 989e12, 141e9, 4.8e12, 450e9, 50e9),
+    "A100-40GB": DeviceProfile("A100-40GB", 312e12, 40 * GiB, 300e9, 25e9),
+    "A100-80GB": DeviceProfile("A100-80GB", 312e12, 80 * GiB, 300e9, 25e9),
+    "H100": DeviceProfile("H100", 989e12, 80 * GiB, 450e9, 50e9),
+    "H200": DeviceProfile("H200", 989e12, 141e9, 450e9, 50e9),
     # CPU: peak measured at run time, memory read from the host; "links" are memcpy.
-    "CPU": DeviceProfile("CPU", 5e10, 16 * GiB, 2e10, 1e10, 1e9, devices_per_host=0,
+    "CPU": DeviceProfile("CPU", 5e10, 16 * GiB, 1e10, 1e9, devices_per_host=0,
                          usable_fraction=0.8, shared_host=True, upcasts_16bit=True),
 }
 OVERRIDABLE = tuple(f.name for f in dataclasses.fields(DeviceProfile)
                     if f.name not in ("kind", "shared_host", "upcasts_16bit"))
-
-
-class UnknownDeviceError(ValueError):
-    """A device kind that no profile matches (and no override supplies the numbers)."""
 
 
 def match_kind(device_kind: str) -> str | None:
@@ -89,8 +90,6 @@ def profile_for(device_kind: str | None = None, measure_cpu: bool = True,
     the first device's measured matmul rate.
     """
     if device_kind is None:
-        import jax
-
         device_kind = jax.devices()[0].device_kind
     given = {k: v for k, v in (overrides or {}).items() if v not in (None, 0, 0.0, "")}
     bad = sorted(set(given) - set(OVERRIDABLE))
@@ -123,9 +122,6 @@ def measured_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
     Note: with simulated devices all of them share the same cores, so this is the host's rate;
     the planner divides it among the host's devices (``shared_host``).
     """
-    import jax
-    import jax.numpy as jnp
-
     x = jnp.ones((n, n), jnp.float32)
     f = jax.jit(lambda a: a @ a)
     f(x).block_until_ready()
@@ -135,3 +131,32 @@ def measured_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
         f(x).block_until_ready()
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best
+
+
+def detected_kind() -> str:
+    """This process's first device as a profile key ("CPU" for any CPU)."""
+    dev = jax.devices()[0]
+    return "CPU" if dev.platform == "cpu" else dev.device_kind
+
+
+def profile_from_config(section: DeviceConfig | None = None, device_kind: str | None = None,
+                        strict: bool = True, measure_cpu: bool = True) -> DeviceProfile:
+    """The profile for a run: ``device_kind``, else ``device.kind``, else the detected device,
+    with the ``[device]`` section's non-zero fields as overrides.
+
+    An unknown kind is an error when ``strict``; otherwise the first device describes itself:
+    its memory limit from ``memory_stats()``, its peak measured (or nominal without
+    ``measure_cpu``, which every process of a multi-host run must use so that all of them
+    reach the same plan).
+    """
+    overrides = dataclasses.asdict(section) if section is not None else {}
+    kind = device_kind or overrides.pop("kind", None)
+    overrides.pop("kind", None)
+    if kind in (None, "", "auto"):
+        kind = detected_kind()
+        if match_kind(kind) is None and not strict:
+            limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 16 * GiB)
+            overrides = {"peak_flops": measured_matmul_flops() if measure_cpu else 1e14,
+                         "memory_bytes": float(limit), "usable_fraction": 1.0,
+                         **{k: v for k, v in overrides.items() if v}}
+    return profile_for(kind, overrides=overrides, strict=strict, measure_cpu=measure_cpu)

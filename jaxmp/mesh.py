@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-AXES: tuple[str, ...] = ("data", "stage", "fsdp", "tensor")
+from jaxmp.config.sections import MESH_AXES as AXES
 # Which axes may span hosts, most preferred first: data parallelism needs one all-reduce per
 # step, pipeline stages only point-to-point sends; fsdp gathers every layer; tensor never.
 _CROSS_HOST_ORDER: tuple[str, ...] = ("data", "stage", "fsdp")

@@ -104,7 +104,8 @@ def bench_checkpoint(folder: Path, state, mesh, repeats: int,
 
     import jaxmp
     from jaxmp import checkpoint
-    from jaxmp.ckpt import store, tree
+    from jaxmp.checkpoint import records as tree
+    from jaxmp.checkpoint import store
 
     path_rules = [(r"^params/w", ("embed", "mlp"))]
     items = tree.entries(state, path_rules)
@@ -156,9 +157,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, metavar="FILE", help="also write results as JSON")
     args = p.parse_args(argv)
     if args.devices:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.devices}")
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        from jaxmp._util.env import simulate_devices
+
+        simulate_devices(args.devices)
     import jax
 
     import jaxmp

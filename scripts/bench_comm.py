@@ -9,7 +9,9 @@ import dataclasses
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+from jaxmp._util.env import simulate_devices
+
+simulate_devices(8)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from helpers import TINY, step_collectives  # noqa: E402

@@ -24,19 +24,18 @@ every global batch, which is what ``jaxmp.Trainer`` expects on several hosts.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
 def _simulate_devices(argv: list[str]) -> None:
     """``--devices N`` (default 8) CPU devices; XLA reads this when jax starts, so do it first."""
+    from jaxmp._util.env import simulate_devices
+
     early = argparse.ArgumentParser(add_help=False)
     early.add_argument("--devices", type=int, default=8)
     n = early.parse_known_args(argv)[0].devices
     if n > 0:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={n}").strip()
-        os.environ["JAX_PLATFORMS"] = "cpu"
+        simulate_devices(n)
 
 
 if __name__ == "__main__":
@@ -163,12 +162,14 @@ DEFAULTS = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "mesh.stage=1",
             "optimizer.lr=3e-3", "logging.every=5"]
 
 
-def make_config(steps: int, overrides: list[str] = ()) -> jaxmp.Config:
-    """jaxmp's config (defaults + ours + the user's ``--set``); the model section goes unused."""
-    return jaxmp.load_config(None, overrides=[*DEFAULTS, f"train.steps={steps}", *overrides])
+def make_config(steps: int, overrides: list[str] = ()) -> jaxmp.TrainerConfig:
+    """The trainer's config sections only (defaults + ours + the user's ``--set``): this model
+    has no use for the GPT recipe's ``[model]`` and ``[data]``."""
+    return jaxmp.load_config(None, overrides=[*DEFAULTS, f"train.steps={steps}", *overrides],
+                             schema=jaxmp.TrainerConfig)
 
 
-def make_trainer(config: jaxmp.Config, run_dir: str, devices=None) -> jaxmp.Trainer:
+def make_trainer(config: jaxmp.TrainerConfig, run_dir: str, devices=None) -> jaxmp.Trainer:
     t = config.train
     return jaxmp.Trainer(
         config,

@@ -8,8 +8,9 @@
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from jaxmp._util.env import add_xla_flags  # stdlib only: jax is not imported yet
+
+add_xla_flags("--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "jaxmp-test-jax-cache"))

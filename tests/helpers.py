@@ -29,14 +29,16 @@ def step_collectives(axes: dict, cfg: GPTConfig = TINY, batch: int = 16):
     import jaxmp
     from jaxmp.hlo import collective_stats
     from jaxmp.models import lm_loss
-    from jaxmp.train.state import (OptimizerSpec, make_optimizer, make_schedule, plan_state,
-                                   state_bytes)
+    from jaxmp._util.arrays import tree_bytes
+    from jaxmp.config import OptimizerConfig
+    from jaxmp.train.optimizer import make_optimizer, make_schedule
+    from jaxmp.train.state import plan_state
     from jaxmp.train.step import make_train_step
 
-    opt = OptimizerSpec()
+    opt = OptimizerConfig()
     tx, sched = make_optimizer(opt, 10), make_schedule(opt, 10)
     layout = plan_state(gpt_fn(cfg), tx, jaxmp.make_mesh(axes))
     example = lm_batch(batch=batch)
     step = make_train_step(layout, lm_loss, tx, sched, example)
     stats = collective_stats(step.lower(layout.abstract, example).compile())
-    return stats, state_bytes(layout.abstract.params)
+    return stats, tree_bytes(layout.abstract.params)

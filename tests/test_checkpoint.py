@@ -13,8 +13,10 @@ from jax.sharding import PartitionSpec as P
 import jaxmp
 from jaxmp import checkpoint, rules
 from jaxmp.checkpoint import CheckpointError
-from jaxmp.ckpt.cli import main as ckpt_main
-from jaxmp.train.state import OptimizerSpec, init_state, make_optimizer, plan_state
+from jaxmp.cli import main as ckpt_main
+from jaxmp.config import OptimizerConfig
+from jaxmp.train.optimizer import make_optimizer
+from jaxmp.train.state import init_state, plan_state
 from test_checkpoint_helpers import Bigram
 
 MESHES = [({"fsdp": 4}, 4), ({"fsdp": 2}, 2), ({}, 1), ({"data": 8}, 8)]
@@ -28,7 +30,7 @@ def _model(rngs):
 def saved(tmp_path_factory):
     """A train state (params + Adam moments, made non-zero) saved from fsdp2 x tensor4."""
     mesh = jaxmp.make_mesh({"fsdp": 2, "tensor": 4})
-    tx = make_optimizer(OptimizerSpec(), 10)
+    tx = make_optimizer(OptimizerConfig(), 10)
     layout = plan_state(_model, tx, mesh)
     state = init_state(layout, _model, tx, seed=0)
     state = state.replace(opt_state=jax.tree.map(lambda x: x + 0.5, state.opt_state))

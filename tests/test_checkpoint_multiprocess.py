@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxmp
 from jaxmp import checkpoint
-from jaxmp.ckpt.tools import inspect_report
+from jaxmp.checkpoint import inspect_report
 from test_checkpoint_helpers import REPO, free_port, subprocess_env
 
 PATH_RULES = [(r"embed$", ("vocab", "embed")), (r"out$", ("embed", "vocab")),
@@ -93,7 +93,7 @@ port, pid, run = sys.argv[1:]
 jax.distributed.initialize(f"127.0.0.1:{port}", 2, int(pid))
 import jaxmp
 from jaxmp.models import lm_loss
-from jaxmp.recipes import lm_batches
+from jaxmp.recipes.gpt import lm_batches
 from jaxmp.train.loop import Trainer
 from test_checkpoint_helpers import TINY_GPT, Bigram
 

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxmp
 from jaxmp import checkpoint
-from jaxmp.ckpt.tools import inspect_report
+from jaxmp.checkpoint import inspect_report
 from test_checkpoint_helpers import REPO, TINY_GPT, jaxmp_cmd, subprocess_env
 
 STEPS = 80  # long enough that a SIGTERM sent after step 3 lands well before the end

@@ -16,7 +16,7 @@ import pytest
 import jaxmp
 from jaxmp.checkpoint import CheckpointError, digest, list_steps, restore
 from jaxmp.models import lm_loss
-from jaxmp.recipes import lm_batches
+from jaxmp.recipes.gpt import lm_batches
 from jaxmp.train.loop import Trainer
 from test_checkpoint_helpers import TINY_GPT, Bigram
 

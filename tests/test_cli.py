@@ -39,7 +39,7 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path: Path):
     assert events and events[0].stat().st_size > 0
     assert list((run / "profile").rglob("*.xplane.pb")), "jax.profiler trace for steps [2, 4)"
     # the effective config round-trips: training again from it is valid input
-    from jaxmp.config import load_config
+    from jaxmp import load_config
 
     assert load_config(run / "config.toml").train.steps == 24
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxmp.cost import model_costs, xla_layer_check
 from jaxmp.models import GPT, GPTConfig, lm_loss
-from jaxmp.plan import flops as F
+from jaxmp.cost import flops as F
 
 # Big enough that matmuls dominate (as in any real model), small enough to trace in a second.
 MID = GPTConfig(vocab_size=512, layers=3, d_model=256, heads=4, kv_heads=4, head_dim=64,

@@ -47,7 +47,6 @@ def test_default_rules_are_ordered_pairs():
     # fallbacks come after the primary rule for the same name
     assert names.index("mlp") < len(names) - 1 - names[::-1].index("mlp")
     assert ("batch", ("data", "fsdp")) in rules.DEFAULT_RULES
-    assert ("stage", "stage") in rules.DEFAULT_RULES
 
 
 def test_two_dims_wanting_the_same_axis_first_gets_it(meshes):
@@ -157,12 +156,6 @@ def test_default_rules_on_standard_meshes(meshes, mesh_name):
     for names, shape, expected in MATRIX:
         got = spec(names, shape, meshes[mesh_name])
         assert got == expected[mesh_name], (names, shape, mesh_name, got)
-
-
-def test_stage_axis_of_stacked_params():
-    mesh = jaxmp.make_mesh({"stage": 2, "fsdp": 4})
-    names = ("stage", "layers", "embed", "mlp")
-    assert spec(names, (2, 3, 64, 256), mesh) == P("stage", None, "fsdp")
 
 
 # --- trees --------------------------------------------------------------------------------------

@@ -8,15 +8,17 @@ from flax import nnx
 
 import jaxmp
 from jaxmp.models import lm_loss
-from jaxmp.train.state import (OptimizerSpec, addressable_bytes, init_state, make_optimizer,
-                               make_schedule, plan_state, state_bytes)
+from jaxmp._util.arrays import tree_bytes as state_bytes
+from jaxmp.config import OptimizerConfig
+from jaxmp.train.optimizer import make_optimizer, make_schedule
+from jaxmp.train.state import addressable_bytes, init_state, plan_state
 from jaxmp.train.step import batch_sharding, make_grad_fn, make_train_step
 from helpers import gpt_fn, lm_batch, one_device
 
 # eps sets Adam's noise floor: with eps=1e-8 a gradient element at float32 noise level (1e-10)
 # still moves its parameter by ±lr (the first Adam step is sign(g)), so summation order alone
 # would flip it. 1e-4 keeps the update a smooth function of the gradient, as the test needs.
-OPT = OptimizerSpec(lr=1e-3, warmup_steps=1, eps=1e-4)
+OPT = OptimizerConfig(lr=1e-3, warmup_steps=1, eps=1e-4)
 MESHES = [{"data": 8}, {"fsdp": 8}, {"tensor": 8}, {"data": 2, "fsdp": 2, "tensor": 2}]
 
 
@@ -114,3 +116,31 @@ def test_models_with_rng_state_train_and_shard_exactly():
     assert len(set(losses)) == 3 and nbytes > 0  # fresh dropout masks every step
     np.testing.assert_allclose(_dropout_losses({"data": 2, "fsdp": 2, "tensor": 2})[0], losses,
                                rtol=1e-5)
+
+
+def test_extra_state_is_sharded_like_params_and_checkpointed(tmp_path):
+    """An extension's state (here a params-shaped residual and a counter) lives in
+    ``TrainState.extra``: sharded by the params' logical names, carried through the step
+    unchanged, and saved / restored with the rest of the state."""
+    mesh = jaxmp.make_mesh({"fsdp": 8})
+    tx = make_optimizer(OPT, 10)
+    ext = {"residual": lambda p: jax.tree.map(jax.numpy.zeros_like, p),
+           "count": lambda p: jax.numpy.zeros((), jax.numpy.int32)}
+    layout = plan_state(gpt_fn(), tx, mesh, extensions=ext)
+    param_specs = [s.spec for s in jax.tree.leaves(layout.shardings.params)]
+    extra_specs = [s.spec for s in jax.tree.leaves(layout.shardings.extra["residual"])]
+    assert extra_specs == param_specs and any(s != jax.sharding.PartitionSpec() for s in extra_specs)
+    state = init_state(layout, gpt_fn(), tx, seed=0, extensions=ext)
+    assert addressable_bytes(state.extra["residual"]) * 8 == state_bytes(state.extra["residual"])
+    batch = lm_batch()
+    step = make_train_step(layout, lm_loss, tx, make_schedule(OPT, 10), batch)
+    state, _ = step(state, jax.device_put(batch, batch_sharding(layout, jaxmp.rules.DEFAULT_RULES,
+                                                                batch)))
+    assert set(state.extra) == {"residual", "count"} and int(state.step) == 1
+    jaxmp.checkpoint.save(tmp_path, 1, state)
+    restored = jaxmp.checkpoint.restore(tmp_path, what="state", mesh=mesh)
+    assert set(restored["extra"]) == {"residual", "count"}
+    for a, b in zip(jax.tree.leaves(restored["extra"]["residual"]),
+                    jax.tree.leaves(state.extra["residual"]), strict=True):
+        assert a.sharding.spec == b.sharding.spec
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -14,21 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmp.rules import constrain
-
-_REMAT_POLICIES: dict[str, Callable | None] = {
-    "full": None,  # save nothing: recompute the whole block in the backward pass
-    # Keep the projections' outputs (matmuls without batch dims); recompute attention scores,
-    # norms and activations, which are cheap in FLOPs but large in bytes.
-    "save_dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-}
-
+from jaxmp.remat import checkpointed
+from jaxmp.sharding import constrain, names_of
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -172,8 +164,8 @@ def _pin_layer_params(layer_state: nnx.State) -> nnx.State:
     """
 
     def pin(v: nnx.Variable) -> nnx.Variable:
-        names = v.get_metadata().get("out_sharding")
-        return v.replace(constrain(v[...], tuple(names)[1:])) if names else v
+        names, _ = names_of(v)
+        return v.replace(constrain(v[...], names[1:])) if names else v
 
     return jax.tree.map(pin, layer_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -204,9 +196,7 @@ class GPT(nnx.Module):
         def body(h: jax.Array, layer_state) -> tuple[jax.Array, None]:
             return nnx.merge(graphdef, _pin_layer_params(layer_state))(h), None
 
-        if self.cfg.remat != "none":
-            body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat],
-                                  prevent_cse=not self.cfg.scan_layers)
+        body = checkpointed(body, self.cfg.remat, prevent_cse=not self.cfg.scan_layers)
         if self.cfg.scan_layers:
             x, _ = jax.lax.scan(body, x, stacked)
             return x

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxmp import rules as rules_lib
+from jaxmp import sharding
 from jaxmp.cost import ModelCost
 from jaxmp.devices import DeviceProfile
 from jaxmp.mesh import AXES
@@ -103,11 +103,11 @@ class Context:
     """Per-model, per-rules, per-profile state shared by every candidate (with caches)."""
 
     def __init__(self, cost: ModelCost, profile: DeviceProfile, n_devices: int,
-                 rules: Sequence = rules_lib.DEFAULT_RULES):
+                 rules: Sequence = sharding.DEFAULT_RULES):
         self.cost = cost
         self.profile = profile
         self.n = n_devices
-        self.rules = rules_lib.normalize_rules(rules)
+        self.rules = sharding.normalize_rules(rules)
         layers = cost.layers
         groups: dict[str, int] = {}
         self.group_of = np.array([groups.setdefault(lay.group or lay.name, len(groups))
@@ -140,7 +140,7 @@ class Context:
         weights = rows = 0
         tdims: set[int] = set()
         for leaf in lay.params:
-            spec = rules_lib.resolve(leaf.names, leaf.shape, sizes, self.rules).spec \
+            spec = sharding.resolve(leaf.names, leaf.shape, sizes, self.rules).spec \
                 if leaf.names is not None else ()
             axes = [a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))]
             div = math.prod(sizes[a] for a in axes)
@@ -174,7 +174,7 @@ class Context:
         return const + per_row * rows
 
     def _transient(self, i: int, remat: str, f: int, t: int, rows: float, io: float) -> float:
-        """Peak extra bytes of layer i's backward pass at ``rows`` (jaxmp.plan.liveness)."""
+        """Peak extra bytes of layer i's backward pass at ``rows`` (jaxmp.cost.liveness)."""
         lay = self.cost.layers[i]
         if remat not in lay.transient:  # the root's code: its gradients mirror what it saved
             return 2 * io + self._saved_bytes(i, remat, f, t, rows, fused=False)

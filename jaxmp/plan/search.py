@@ -6,23 +6,23 @@ an axis would shard nothing (tensor on dims it does not divide, fsdp on nothing)
 than layers, or the stages cannot be balanced within memory. The rest are predicted
 (:mod:`jaxmp.plan.predict`) and ranked: those that fit first, fastest first.
 
-A plan is *runnable* when the trainer can execute it as configured: no pipeline stages yet
-(pipeline execution arrives with issue P), and the configured remat policy and gradient
-accumulation. Others are still ranked and shown, with what they would need.
+A plan is *runnable* when the trainer can execute it as configured: no pipeline stages (jaxmp
+does not execute them yet), and the configured remat policy and gradient accumulation. Others are
+still ranked and shown, with what they would need.
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from jaxmp._util.fmt import fmt_bytes, fmt_time
 from jaxmp.mesh import AXES
 from jaxmp.plan.balance import InfeasibleError
 from jaxmp.plan.predict import Context, Layout, Prediction, predict
 
-PIPELINE_NOTE = "predicted only (pipeline execution arrives with issue P)"
+PIPELINE_NOTE = "predicted only: jaxmp does not execute pipeline stages yet"
 
 
 @dataclass
@@ -45,7 +45,6 @@ class Candidate:
 class SearchResult:
     ranked: list[Candidate]  # fitting first, then by predicted step time
     dropped: Counter = field(default_factory=Counter)  # reason -> count
-    planning_time_s: float = 0.0
 
 
 def _divisors(n: int) -> list[int]:
@@ -73,9 +72,8 @@ def _microbatches(p: int, rows_per_replica: int, grad_accum: int) -> list[int]:
 
 def search(ctx: Context, fixed: Mapping[str, int] | None = None,
            remats: Sequence[str] | None = None, grad_accum: int = 1,
-           configured_remat: str | None = None, pipeline_runnable: bool = False) -> SearchResult:
+           configured_remat: str | None = None) -> SearchResult:
     """Predict and rank every allowed layout for ``ctx``'s model and device count."""
-    start = time.perf_counter()
     cost, n = ctx.cost, ctx.n
     remats = list(remats or next(iter(cost.layers)).saved)
     n_layers = len(cost.layers)
@@ -111,7 +109,7 @@ def search(ctx: Context, fixed: Mapping[str, int] | None = None,
                     result.dropped["stages cannot be balanced within memory"] += 1
                     continue
                 blockers = []
-                if p > 1 and not pipeline_runnable:
+                if p > 1:
                     blockers.append(PIPELINE_NOTE)
                 if configured_remat is not None and remat != configured_remat:
                     blockers.append(f"needs model.remat={remat!r}")
@@ -122,7 +120,6 @@ def search(ctx: Context, fixed: Mapping[str, int] | None = None,
                                                tuple(blockers)))
     result.ranked.sort(key=lambda c: (not c.fits, c.prediction.step_time_s,
                                       c.prediction.per_device_bytes, len(c.blockers)))
-    result.planning_time_s = time.perf_counter() - start
     return result
 
 
@@ -141,15 +138,12 @@ def choose(result: SearchResult) -> tuple[Candidate | None, list[str]]:
     return None, ["no runnable plan (every candidate needs pipeline stages or other settings)"]
 
 
-def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
-
-
 def reason_lost(c: Candidate, best: Candidate, memory_limit: float) -> str:
     """Why ``c`` was not chosen over ``best``, in one line."""
     pc, pb = c.prediction, best.prediction
     if not c.fits:
-        return f"does not fit: {_gib(pc.per_device_bytes)} > {_gib(memory_limit)} per device"
+        return (f"does not fit: {fmt_bytes(pc.per_device_bytes)} > {fmt_bytes(memory_limit)} "
+                f"per device")
     ratio = pc.step_time_s / pb.step_time_s if pb.step_time_s else float("inf")
     if c.blockers:
         return f"not runnable: {'; '.join(c.blockers)} ({ratio:.2f}x the step time)"
@@ -158,6 +152,6 @@ def reason_lost(c: Candidate, best: Candidate, memory_limit: float) -> str:
         parts[f"{axis} communication"] = pc.comm_s[axis] - pb.comm_s[axis]
     what, extra = max(parts.items(), key=lambda kv: kv[1])
     if ratio <= 1.0 + 1e-9:
-        return (f"as fast ({ratio:.2f}x) but needs more memory: {_gib(pc.per_device_bytes)} "
-                f"vs {_gib(pb.per_device_bytes)}")
-    return f"{ratio:.2f}x the step time: +{extra * 1e3:.3g} ms {what}"
+        return (f"as fast ({ratio:.2f}x) but needs more memory: {fmt_bytes(pc.per_device_bytes)} "
+                f"vs {fmt_bytes(pb.per_device_bytes)}")
+    return f"{ratio:.2f}x the step time: +{fmt_time(extra)} {what}"

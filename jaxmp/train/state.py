@@ -3,14 +3,20 @@
 The model is split once into a static ``graphdef`` and two pytrees: ``params`` (``nnx.Param``
 variables, what the optimizer updates) and ``rest`` (everything else: RNG streams, batch stats).
 Optax's state mirrors ``params`` variable by variable, and Variables keep their metadata through
-``jax.tree.map``, so one call to ``rules.specs_for`` shards params, Adam moments and the rest
-alike, from the same logical names. No array of the state is ever materialised on one device.
+``jax.tree.map``, so one call to ``sharding.shardings_for`` shards params, Adam moments and the
+rest alike, from the same logical names. No array of the state is ever materialised on one device.
+
+``extra`` holds state that training features add beside the model's (for example error-feedback
+residuals shaped like the params, or guard counters): each feature names an *extension*, a
+function of the params that builds its subtree. Arrays in Variables keep their logical names, so
+extras are sharded and checkpointed exactly like params without changing the state's shape.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import flax.struct
 import jax
@@ -19,9 +25,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxmp import rules as rules_lib
+from jaxmp import sharding
+from jaxmp._util.arrays import nbytes
 
 ModelFn = Callable[[nnx.Rngs], nnx.Module]
+Extension = Callable[[Any], Any]  # params (Variables, real or abstract) -> an extra subtree
 
 
 @flax.struct.dataclass
@@ -32,41 +40,7 @@ class TrainState:
     params: Any
     opt_state: Any
     rest: Any
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """The optimizer hyper-parameters the trainer needs (a subset of the config section)."""
-
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    clip_norm: float = 1.0
-
-
-def make_schedule(opt: OptimizerSpec, total_steps: int) -> optax.Schedule:
-    """Linear warmup to ``lr`` then cosine decay to ``lr * min_lr_ratio`` at ``total_steps``."""
-    warmup = min(opt.warmup_steps, max(total_steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=opt.lr, warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1), end_value=opt.lr * opt.min_lr_ratio)
-
-
-def make_optimizer(opt: OptimizerSpec, total_steps: int) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; no weight decay on vectors (norm scales, biases)."""
-    schedule = make_schedule(opt, total_steps)
-
-    def decay_mask(params: Any) -> Any:
-        return jax.tree.map(lambda p: p.ndim >= 2, params)
-
-    chain = [optax.clip_by_global_norm(opt.clip_norm)] if opt.clip_norm > 0 else []
-    chain.append(optax.adamw(schedule, b1=opt.beta1, b2=opt.beta2, eps=opt.eps,
-                             weight_decay=opt.weight_decay, mask=decay_mask))
-    return optax.chain(*chain)
+    extra: dict[str, Any] = flax.struct.field(default_factory=dict)
 
 
 @dataclass
@@ -78,67 +52,44 @@ class StateLayout:
     shardings: TrainState  # a pytree prefix of the state: NamedSharding per Variable/array
     mesh: Mesh
 
-    @property
-    def param_shardings(self) -> Any:
-        return self.shardings.params
-
 
 def _split(model: nnx.Module) -> tuple[Any, Any, Any]:
     return nnx.split(model, nnx.Param, ...)
 
 
-def _build(model_fn: ModelFn, tx: optax.GradientTransformation, rngs: nnx.Rngs) -> TrainState:
-    """A fresh state at step 0: the model's params and rest, and the optimizer's state."""
+def _build(model_fn: ModelFn, tx: optax.GradientTransformation, rngs: nnx.Rngs,
+           extensions: Mapping[str, Extension]) -> TrainState:
+    """A fresh state at step 0: the model's params and rest, the optimizer's state, extras."""
     _, params, rest = _split(model_fn(rngs))
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      rest=rest)
+                      rest=rest, extra={k: make(params) for k, make in extensions.items()})
 
 
 def plan_state(model_fn: ModelFn, tx: optax.GradientTransformation, mesh: Mesh,
-               rules: Sequence = rules_lib.DEFAULT_RULES,
-               path_rules: Sequence | None = None) -> StateLayout:
+               rules: Sequence = sharding.DEFAULT_RULES, path_rules: Sequence | None = None,
+               extensions: Mapping[str, Extension] | None = None) -> StateLayout:
     """Trace the model abstractly (no FLOPs, no memory) and derive the state's shardings."""
-
+    extensions = dict(extensions or {})
     graphdef, _, _ = _split(nnx.eval_shape(lambda: model_fn(nnx.Rngs(0))))
-    abstract = jax.eval_shape(lambda: _build(model_fn, tx, nnx.Rngs(0)))
-    shardings = rules_lib.shardings_for(abstract, mesh, rules=rules, path_rules=path_rules)
+    abstract = jax.eval_shape(lambda: _build(model_fn, tx, nnx.Rngs(0), extensions))
+    shardings = sharding.shardings_for(abstract, mesh, rules=rules, path_rules=path_rules)
     return StateLayout(graphdef=graphdef, abstract=abstract, shardings=shardings, mesh=mesh)
 
 
 def init_state(layout: StateLayout, model_fn: ModelFn, tx: optax.GradientTransformation,
-               seed: int) -> TrainState:
-    """Create params and optimizer state directly in their shards (inside jit)."""
-
+               seed: int, extensions: Mapping[str, Extension] | None = None) -> TrainState:
+    """Create params, optimizer state and extras directly in their shards (inside jit)."""
+    extensions = dict(extensions or {})
     key = jax.random.key_data(jax.random.key(seed))
     replicated = NamedSharding(layout.mesh, PartitionSpec())
-    init = jax.jit(lambda k: _build(model_fn, tx, nnx.Rngs(jax.random.wrap_key_data(k))),
+    init = jax.jit(lambda k: _build(model_fn, tx, nnx.Rngs(jax.random.wrap_key_data(k)),
+                                    extensions),
                    in_shardings=replicated, out_shardings=layout.shardings)
     return init(key)
-
-
-def merge_model(layout: StateLayout, state: TrainState) -> nnx.Module:
-    """Rebuild the NNX module from a state (e.g. for evaluation or export)."""
-    return nnx.merge(layout.graphdef, state.params, state.rest)
-
-
-def _nbytes(x: Any) -> int:
-    """Bytes of an array or ShapeDtypeStruct; typed PRNG keys count their key data."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.eval_shape(jax.random.key_data, x)
-    return int(x.size) * jnp.dtype(x.dtype).itemsize
-
-
-def state_bytes(tree: Any) -> int:
-    """Total bytes of all arrays in ``tree`` (global, not per device)."""
-    return sum(_nbytes(x) for x in jax.tree.leaves(tree))
 
 
 def addressable_bytes(tree: Any) -> int:
     """Bytes the first local device holds of ``tree``: what sharding actually saves."""
     dev = jax.local_devices()[0]
-    total = 0
-    for x in jax.tree.leaves(tree):
-        for shard in x.addressable_shards:
-            if shard.device == dev:
-                total += _nbytes(shard.data)
-    return total
+    return sum(nbytes(shard.data) for x in jax.tree.leaves(tree)
+               for shard in x.addressable_shards if shard.device == dev)

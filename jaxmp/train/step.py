@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxmp import rules as rules_lib
+from jaxmp import sharding
 from jaxmp.train.state import StateLayout, TrainState
 
 LossFn = Callable[[nnx.Module, dict], Any]  # -> loss or (loss, aux)
@@ -28,7 +28,7 @@ BATCH_NAMES = ("batch",)
 
 def batch_spec(mesh: Any, rules: Sequence, rows: int) -> PartitionSpec:
     """Where a global batch of ``rows`` lives: its leading dim by the logical name ``batch``."""
-    return rules_lib.logical_spec(BATCH_NAMES, (rows,), mesh, rules)
+    return sharding.logical_spec(BATCH_NAMES, (rows,), mesh, rules)
 
 
 def batch_sharding(layout: StateLayout, rules: Sequence, batch: dict) -> dict:
@@ -43,7 +43,7 @@ def _split_loss(out: Any) -> tuple[jax.Array, dict]:
 
 
 def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
-                 rules: Sequence = rules_lib.DEFAULT_RULES) -> Callable:
+                 rules: Sequence = sharding.DEFAULT_RULES) -> Callable:
     """``(params, rest, batch) -> (loss, grads, rest, aux)``, averaged over microbatches.
 
     Microbatches are weighted by ``aux["weight"]`` when the loss provides it (token counts), so
@@ -65,7 +65,7 @@ def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
         return wloss, weight, grads, rest, aux
 
     def grad_fn(params: Any, rest: Any, batch: dict) -> tuple:
-        with rules_lib.activation_sharding(layout.mesh, rules):
+        with sharding.activation_sharding(layout.mesh, rules):
             if grad_accum == 1:
                 wloss, weight, grads, rest, aux = micro(params, rest, batch)
             else:
@@ -90,7 +90,7 @@ def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, k: int) ->
             raise ValueError(f"batch of {x.shape[0]} rows is not divisible by grad_accum={k}")
         mb = x.reshape((x.shape[0] // k, k) + x.shape[1:]).swapaxes(0, 1)
         names = (None,) + BATCH_NAMES + (None,) * (x.ndim - 1)
-        return rules_lib.constrain(mb, names)
+        return sharding.constrain(mb, names)
 
     micro_batches = jax.tree.map(split, batch)
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -108,7 +108,7 @@ def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, k: int) ->
 
 def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, example_batch: dict, grad_accum: int = 1,
-                    rules: Sequence = rules_lib.DEFAULT_RULES) -> Callable:
+                    rules: Sequence = sharding.DEFAULT_RULES) -> Callable:
     """Return the jitted ``step(state, batch) -> (state, metrics)`` with donated state."""
     grad_fn = make_grad_fn(layout, loss_fn, grad_accum, rules)
 
@@ -118,24 +118,25 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step), **aux}
-        new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rest=rest)
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rest=rest)
         return new, metrics
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
-    return jax.jit(step, in_shardings=(layout.shardings, batch_sharding(layout, rules, example_batch)),
+    batch_in = batch_sharding(layout, rules, example_batch)
+    return jax.jit(step, in_shardings=(layout.shardings, batch_in),
                    out_shardings=(layout.shardings, replicated), donate_argnums=(0,))
 
 
 def make_eval_step(layout: StateLayout, loss_fn: LossFn, example_batch: dict,
-                   rules: Sequence = rules_lib.DEFAULT_RULES) -> Callable:
+                   rules: Sequence = sharding.DEFAULT_RULES) -> Callable:
     """Return the jitted ``eval(state, batch) -> loss`` (no gradients, no state change)."""
 
     def evaluate(state: TrainState, batch: dict) -> jax.Array:
-        with rules_lib.activation_sharding(layout.mesh, rules):
+        with sharding.activation_sharding(layout.mesh, rules):
             model = nnx.merge(layout.graphdef, state.params, state.rest, copy=True)
             loss, _ = _split_loss(loss_fn(model, batch))
             return loss
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
-    return jax.jit(evaluate, in_shardings=(layout.shardings, batch_sharding(layout, rules, example_batch)),
-                   out_shardings=replicated)
+    batch_in = batch_sharding(layout, rules, example_batch)
+    return jax.jit(evaluate, in_shardings=(layout.shardings, batch_in), out_shardings=replicated)

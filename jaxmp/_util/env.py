@@ -1,0 +1,50 @@
+"""The one place that edits the XLA environment: simulated CPU devices and extra XLA flags.
+
+XLA reads ``XLA_FLAGS`` once, when jax's backend starts, so these must run before any jax
+computation (importing jax is fine; ``jax.devices()`` is too late). Stdlib only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def add_xla_flags(flags: str) -> None:
+    """Append ``flags`` to ``XLA_FLAGS`` (a flag given again replaces the earlier value)."""
+    new = flags.split()
+    if not new:
+        return
+    names = {f.split("=", 1)[0] for f in new}
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] not in names]
+    os.environ["XLA_FLAGS"] = " ".join(kept + new)
+
+
+def backend_started() -> bool:
+    """True once jax has created its backends (then XLA flags no longer take effect)."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return False
+    try:
+        from jax._src import xla_bridge  # private, but the only way to ask without starting it
+        return bool(getattr(xla_bridge, "_backends", None))
+    except Exception:  # noqa: BLE001 - an unknown jax layout: assume it started
+        return True
+
+
+def simulate_devices(n: int) -> None:
+    """Run on ``n`` simulated CPU devices (testing a mesh without accelerators).
+
+    Raises ValueError for ``n < 1`` and RuntimeError when jax's backend already started.
+    """
+    if n < 1:
+        raise ValueError(f"the simulated device count must be >= 1, got {n}")
+    if backend_started():
+        raise RuntimeError("simulated devices must be set before jax starts its backend")
+    add_xla_flags(f"{_COUNT_FLAG}={n}")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax = sys.modules.get("jax")
+    if jax is not None:  # imported but not started: it read JAX_PLATFORMS already
+        jax.config.update("jax_platforms", "cpu")

@@ -1,0 +1,190 @@
+"""A state pytree ⇄ the checkpoint's pure form, and the records that describe each array.
+
+What is stored is a *pure* nested dict of arrays keyed by the same ``/``-joined paths that
+:mod:`jaxmp.sharding` uses (``params/blocks/attn/q``, ``opt_state/1/0/mu/embed``): no NNX Variables,
+optax named tuples or dataclasses, so a process that never imported the model can read it.
+Beside it go per-array records — shape, dtype, logical names, the saved PartitionSpec — from
+which a restore derives shardings on any mesh with ``rules.logical_spec``.
+
+Typed PRNG keys (NNX RNG streams in ``rest``) are stored as their raw ``key_data`` with the
+implementation's name in the record, and wrapped again on restore.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxmp import sharding
+from jaxmp.errors import CheckpointError
+from jaxmp.mesh import mesh_shape
+
+SEP = "/"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One array of a state: its path, value (array or ShapeDtypeStruct) and logical names."""
+
+    path: str
+    value: Any
+    names: tuple[str | None, ...] | None
+
+
+def entries(tree: Any, path_rules: Sequence | None = None,
+            names: Mapping[str, Sequence[str | None] | None] | None = None) -> list[Entry]:
+    """Flatten ``tree`` (an NNX module or state, a TrainState, any pytree) into entries.
+
+    Paths and names come from :func:`jaxmp.sharding.tree_leaves`, so they are exactly the ones the
+    sharding rules see; values are the leaves inside the Variables, in the same order. ``names``
+    (path → logical names) fills in names for plain arrays, e.g. a tree ``restore`` returned.
+    """
+    if isinstance(tree, nnx.Module):
+        tree = nnx.state(tree)
+    leaves, _ = sharding.tree_leaves(tree, path_rules)
+    values = jax.tree_util.tree_leaves(tree)
+    if len(values) != len(leaves):  # a Variable holding a nested pytree: not a state we store
+        raise CheckpointError(f"cannot checkpoint this tree: {len(leaves)} variables hold "
+                              f"{len(values)} arrays (each variable must hold one array)")
+    paths = [leaf.path for leaf in leaves]
+    dupes = {p for p in paths if paths.count(p) > 1}
+    if dupes:
+        raise CheckpointError(f"cannot checkpoint this tree: path {sorted(dupes)[0]!r} is not "
+                              f"unique")
+    names = names or {}
+    out = []
+    for leaf, v in zip(leaves, values):
+        given = names.get(leaf.path, leaf.names) if leaf.names is None else leaf.names
+        out.append(Entry(leaf.path, v, tuple(given) if given is not None else None))
+    return out
+
+
+def is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
+
+
+def stored_value(x: Any) -> Any:
+    """What goes on disk for one leaf: typed keys become their uint32 key data."""
+    return jax.random.key_data(x) if is_key(x) else x
+
+
+def spec_to_json(spec: PartitionSpec | None) -> list | None:
+    if spec is None:
+        return None
+    return [list(e) if isinstance(e, tuple) else e for e in sharding.normalize_spec(spec)]
+
+
+def spec_from_json(spec: Sequence | None) -> PartitionSpec:
+    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in spec or ()])
+
+
+def record(entry: Entry) -> dict[str, Any]:
+    """The JSON record of one array: what a restore on another mesh (or a person) needs."""
+    x = entry.value
+    stored = jax.eval_shape(stored_value, x) if is_key(x) else x
+    sharding = getattr(x, "sharding", None)
+    rec = {"shape": [int(d) for d in np.shape(stored)], "dtype": str(np.dtype(stored.dtype)),
+           "names": list(entry.names) if entry.names is not None else None,
+           "spec": spec_to_json(sharding.spec) if isinstance(sharding, NamedSharding) else None,
+           "bytes": math.prod(np.shape(stored)) * np.dtype(stored.dtype).itemsize}
+    if is_key(x):
+        rec["prng_impl"] = str(jax.random.key_impl(x))
+    return rec
+
+
+def saved_mesh(values: Sequence[Any]) -> dict[str, int] | None:
+    """Axis sizes of the mesh the arrays live on (the first NamedSharding found)."""
+    for x in values:
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return mesh_shape(sharding.mesh)
+    return None
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"a/b": x}`` → ``{"a": {"b": x}}``."""
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        *parents, last = path.split(SEP)
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise CheckpointError(f"path {path!r} runs through an array")
+        node[last] = value
+    return out
+
+
+def flat_paths(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Inverse of :func:`nest`."""
+    out: dict[str, Any] = {}
+    for key, value in nested.items():
+        path = f"{prefix}{SEP}{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(flat_paths(value, path))
+        else:
+            out[path] = value
+    return out
+
+
+def to_pure(items: Sequence[Entry]) -> dict[str, Any]:
+    """The nested dict that Orbax writes."""
+    return nest({e.path: stored_value(e.value) for e in items})
+
+
+def target(records: Mapping[str, Mapping[str, Any]],
+           shardings: Mapping[str, jax.sharding.Sharding]) -> dict[str, Any]:
+    """Abstract restore target (nested ShapeDtypeStructs carrying the new shardings)."""
+    return nest({p: jax.ShapeDtypeStruct(tuple(records[p]["shape"]), np.dtype(records[p]["dtype"]),
+                                         sharding=s) for p, s in shardings.items()})
+
+
+def rewrap(flat: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Turn stored key data back into typed keys where the record says so."""
+    return {p: jax.random.wrap_key_data(x, impl=records[p]["prng_impl"])
+            if records.get(p, {}).get("prng_impl") else x for p, x in flat.items()}
+
+
+def shardings_on(records: Mapping[str, Mapping[str, Any]], mesh: jax.sharding.Mesh,
+                 rules: Sequence) -> dict[str, NamedSharding]:
+    """Each stored array's sharding on ``mesh``: its logical names resolved by ``rules``."""
+    out = {}
+    for path, rec in records.items():
+        names, shape = rec.get("names"), rec["shape"]
+        if names is None or not shape:
+            spec = PartitionSpec()
+        else:
+            names = list(names) + [None] * (len(shape) - len(names))  # key data's extra dim
+            spec = sharding.logical_spec(names, shape, mesh, rules)
+        out[path] = NamedSharding(mesh, spec)
+    return out
+
+
+def rebuild(template: Any, flat: Mapping[str, Any], path_rules: Sequence | None = None) -> Any:
+    """Put restored arrays back into the structure of ``template`` (e.g. a TrainState)."""
+    paths = [e.path for e in entries(template, path_rules)]
+    treedef = jax.tree_util.tree_structure(template)
+    return jax.tree_util.tree_unflatten(treedef, [flat[p] for p in paths])
+
+
+def mismatch(stored: Mapping[str, Mapping[str, Any]], expected: Mapping[str, Mapping[str, Any]],
+             ) -> str | None:
+    """First difference between two record sets (paths, shapes, dtypes) as a phrase, or None."""
+    for path in expected:
+        if path not in stored:
+            return f"{path} is in the model but not in the checkpoint"
+    for path in stored:
+        if path not in expected:
+            return f"{path} is in the checkpoint but not in the model"
+    for path, rec in expected.items():
+        for key in ("shape", "dtype"):
+            if stored[path][key] != rec[key]:  # both JSON-shaped: lists and strings
+                return (f"{path} has {key} {stored[path][key]} in the checkpoint but "
+                        f"{rec[key]} in the model")
+    return None

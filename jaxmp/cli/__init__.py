@@ -1,0 +1,53 @@
+"""The ``jaxmp`` command: argument parsing and exit codes only; the work is in the library.
+
+jax is imported only after the environment is settled (``--simulate-devices`` and the config's
+XLA flags must be in ``XLA_FLAGS`` before the backend starts), so every sub-command module
+imports the library inside its command function. Bad input (:class:`jaxmp.errors.BadInput`)
+exits 2 with one line on stderr; runtime failures exit 1 with a clear message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from jaxmp.cli import ckpt, plan, train
+from jaxmp.errors import BadInput
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILURE = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxmp", description="A sharded trainer for JAX/Flax.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for module in (train, plan, ckpt):
+        module.add_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed its one-line usage error
+        return int(e.code or 0) and EXIT_BAD_INPUT
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # output piped into `head` and closed early: not a failure
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (BadInput, FileNotFoundError) as e:
+        print(f"jaxmp: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("jaxmp: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - a runtime failure: one line, the traceback on request
+        if os.environ.get("JAXMP_DEBUG"):
+            raise
+        print(f"jaxmp: failed: {type(e).__name__}: {e} (set JAXMP_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return EXIT_FAILURE

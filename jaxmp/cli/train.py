@@ -1,0 +1,79 @@
+"""``jaxmp train [CONFIG] [--set k=v ...] [--run-dir DIR] [--simulate-devices N]``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from jaxmp.errors import UsageError
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    t = subparsers.add_parser("train", help="train the configured model "
+                                            "(default: configs/tiny.toml)")
+    t.add_argument("config", nargs="?", default=None, help="TOML config (default: built-in tiny)")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    t.add_argument("--run-dir", default="runs/default", help="where outputs go (default %(default)s)")
+    t.add_argument("--simulate-devices", type=int, default=None, metavar="N",
+                   help="run on N simulated CPU devices (try a mesh on a laptop)")
+    t.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-process: address of process 0")
+    t.add_argument("--num-processes", type=int, default=None)
+    t.add_argument("--process-id", type=int, default=None)
+    t.set_defaults(func=run)
+    return t
+
+
+def simulate(n: int | None) -> None:
+    """``--simulate-devices N``: must happen before jax's backend starts."""
+    from jaxmp._util.env import simulate_devices
+
+    if n is None:
+        return
+    try:
+        simulate_devices(n)
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(f"--simulate-devices: {e}") from None
+
+
+def _init_distributed(args: argparse.Namespace) -> None:
+    """Join a multi-process run: explicit flags, or auto-detected under SLURM / Open MPI."""
+    import jax
+
+    explicit = args.coordinator is not None
+    slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ
+    mpi = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+    if not (explicit or slurm or mpi):
+        return
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if explicit:
+        if args.num_processes is None or args.process_id is None:
+            raise UsageError("--coordinator needs --num-processes and --process-id")
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    else:
+        jax.distributed.initialize()
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxmp._util.env import add_xla_flags
+    from jaxmp.recipes.gpt_config import load_config
+
+    config = load_config(args.config, overrides=args.set or [])
+    simulate(args.simulate_devices)
+    add_xla_flags(config.xla.flags)
+    _init_distributed(args)
+    import jax
+
+    if config.xla.matmul_precision != "default":
+        jax.config.update("jax_default_matmul_precision", config.xla.matmul_precision)
+    from jaxmp.recipes.gpt import gpt_trainer
+
+    trainer = gpt_trainer(config, args.run_dir)
+    final = trainer.fit()
+    if trainer.is_main and final:
+        extra = f", eval loss {final['eval_loss']:.4f}" if final.get("eval_loss") else ""
+        print(f"jaxmp: done at step {final['step']}: loss {final['loss']:.4f}{extra}; "
+              f"metrics in {args.run_dir}/metrics.jsonl")
+    return 0

@@ -1,0 +1,178 @@
+"""The trainer's config sections: mesh, optimizer, train loop, checkpoints, logging, XLA, device.
+
+These are all a :class:`jaxmp.Trainer` reads, whatever the model; a recipe adds its own sections
+(the GPT recipe: ``[model]`` and ``[data]``, :mod:`jaxmp.recipes.gpt_config`) by subclassing
+:class:`TrainerConfig`. Stdlib only and jax-free on purpose: the CLI reads ``xla.flags`` from
+here and must put them in ``XLA_FLAGS`` before jax is first imported. (No ``from __future__ import
+annotations``: the field types are read at run time to check values.)
+"""
+
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from jaxmp.config.fields import ConfigError, Section, bounded, require
+
+# The mesh axes, outermost first; jaxmp.mesh builds every mesh with exactly these.
+MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "tensor")
+AxisSize = int | Literal["auto"]
+
+
+@dataclass(frozen=True)
+class MeshConfig(Section):
+    """Mesh axis sizes: an int, -1 (fill the remaining devices) or "auto" (planner decides)."""
+
+    section: ClassVar[str] = "mesh"
+    data: AxisSize = "auto"
+    stage: AxisSize = "auto"
+    fsdp: AxisSize = "auto"
+    tensor: AxisSize = "auto"
+
+    def _validate(self) -> None:
+        for axis, size in self.explicit().items():
+            require(size >= 1 or size == -1, f"mesh.{axis}",
+                     "must be >= 1, -1 (fill the rest) or 'auto'", size)
+        fills = [f"mesh.{a}" for a, s in self.explicit().items() if s == -1]
+        if len(fills) > 1:
+            raise ConfigError(f"{fills[-1]}: only one mesh axis may be -1, "
+                              f"but {' and '.join(fills)} are")
+
+    @property
+    def is_auto(self) -> bool:
+        """True when every axis is "auto": the planner chooses the whole factorisation."""
+        return not self.explicit()
+
+    def explicit(self) -> dict[str, int]:
+        """Only the axes the user fixed (the planner's constraints)."""
+        return {a: getattr(self, a) for a in MESH_AXES if getattr(self, a) != "auto"}
+
+    def sizes(self) -> dict[str, int]:
+        """All four axes as ints for ``jaxmp.make_mesh`` (which checks the device count).
+
+        Once any axis is explicit the "auto" ones become 1: the user spelled the mesh out.
+        All "auto" without a planner falls back to data parallelism: ``{"data": -1, rest: 1}``.
+        """
+        if self.is_auto:
+            return {"data": -1, "stage": 1, "fsdp": 1, "tensor": 1}
+        return {a: 1 if getattr(self, a) == "auto" else getattr(self, a) for a in MESH_AXES}
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(Section):
+    """AdamW, linear warmup then cosine decay to ``lr * min_lr_ratio``; clip_norm 0 = off."""
+
+    section: ClassVar[str] = "optimizer"
+    lr: float = bounded(3e-3, gt=0)
+    min_lr_ratio: float = bounded(0.1, ge=0, le=1)
+    warmup_steps: int = bounded(20, ge=0)
+    weight_decay: float = bounded(0.1, ge=0)
+    beta1: float = bounded(0.9, ge=0, lt=1)
+    beta2: float = bounded(0.95, ge=0, lt=1)
+    eps: float = bounded(1e-8, gt=0)
+    clip_norm: float = bounded(1.0, ge=0)
+
+
+@dataclass(frozen=True)
+class TrainConfig(Section):
+    """Loop length and batch. batch_size is global, in sequences, and split over grad_accum."""
+
+    section: ClassVar[str] = "train"
+    steps: int = bounded(200, ge=1)
+    batch_size: int = bounded(16, ge=1)
+    seed: int = bounded(0, ge=0)
+    grad_accum: int = bounded(1, ge=1)
+    eval_every: int = bounded(100, ge=0)  # 0 = no evaluation
+    eval_batches: int = bounded(4, ge=1)
+
+    def _validate(self) -> None:
+        require(self.batch_size % self.grad_accum == 0, "train.batch_size",
+                 f"must be divisible by train.grad_accum={self.grad_accum}", self.batch_size)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(Section):
+    """every: period in steps (0 = only at the end); keep_period K > 0 keeps every K-th step."""
+
+    section: ClassVar[str] = "checkpoint"
+    every: int = bounded(100, ge=0)
+    keep: int = bounded(3, ge=1)
+    keep_period: int = bounded(0, ge=0)
+    async_save: bool = True
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class LoggingConfig(Section):
+    """profile_steps: [] or the [start, stop) steps to capture in a jax.profiler trace."""
+
+    section: ClassVar[str] = "logging"
+    every: int = bounded(10, ge=1)
+    profile_steps: tuple[int, ...] = ()
+    progress: bool = True
+    tensorboard: bool = True
+
+    def _validate(self) -> None:
+        ps = self.profile_steps
+        require(not ps or (len(ps) == 2 and 0 <= ps[0] < ps[1]), "logging.profile_steps",
+                 "must be [] or [start, stop] with 0 <= start < stop", ps)
+
+
+@dataclass(frozen=True)
+class XlaConfig(Section):
+    """flags: appended to XLA_FLAGS before jax starts; matmul_precision: jax's default."""
+
+    section: ClassVar[str] = "xla"
+    flags: str = ""
+    matmul_precision: Literal["default", "high", "highest", "bfloat16", "tensorfloat32",
+                              "float32"] = "default"
+
+    def _validate(self) -> None:
+        for flag in self.flags.split():
+            require(flag.startswith("--"), "xla.flags", "every flag must start with '--'", flag)
+
+
+@dataclass(frozen=True)
+class DeviceConfig(Section):
+    """Device profile for MFU and the planner; 0 keeps the detected profile's value."""
+
+    section: ClassVar[str] = "device"
+    kind: str = "auto"  # "auto" (detect), or a profile name: A100-40GB, A100-80GB, H100, H200, CPU
+    peak_flops: float = bounded(0.0, ge=0)  # FLOP/s per device (dense bf16)
+    memory_bytes: float = bounded(0.0, ge=0)
+    intra_host_bw: float = bounded(0.0, ge=0)  # bytes/s per device inside a host
+    inter_host_bw: float = bounded(0.0, ge=0)  # bytes/s per device across hosts
+    devices_per_host: int = bounded(0, ge=0)
+    usable_fraction: float = bounded(0.0, ge=0, le=1)  # of memory_bytes the planner may fill
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Every section the generic trainer reads; one frozen dataclass per TOML section.
+
+    Subclass it to add a model's own sections (each a :class:`~jaxmp.config.fields.Section`);
+    :func:`jaxmp.config.load` then accepts their keys too.
+    """
+
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    xla: XlaConfig = field(default_factory=XlaConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            require(isinstance(section, section_types(type(self))[f.name]), f.name,
+                    "expected a config section", section)
+        self._validate()
+
+    def _validate(self) -> None:
+        """Constraints between sections (a subclass adds its own)."""
+
+
+def section_types(schema: type) -> dict[str, type]:
+    """``{section name: Section class}`` of a config schema (a TrainerConfig subclass)."""
+    return {f.name: f.default_factory for f in dataclasses.fields(schema)}  # type: ignore[misc]

@@ -1,0 +1,213 @@
+"""One layer traced alone: its FLOPs, what its backward pass keeps, and what it needs.
+
+The layer's recorded call (:mod:`jaxmp.cost.trace`) is re-run as ``f(params, rest, *inputs)``
+and differentiated under each remat policy. From that one program per policy come the forward
+and backward FLOPs (backward equations are the transposed ones), the VJP residuals (what a
+scan stores), the residuals an optimising compiler keeps (:mod:`jaxmp.cost.fusion`) and the
+backward pass's peak extra memory (:mod:`jaxmp.cost.liveness`). Tracing again with one batch
+row tells which dims of each array grow with the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxmp.cost import flops as F
+from jaxmp.cost.fusion import kept_values
+from jaxmp.cost.liveness import Timeline, backward_timeline
+from jaxmp.cost.trace import LayerCall
+from jaxmp.remat import checkpointed
+
+@dataclass(frozen=True)
+class Saved:
+    """Arrays a layer's backward pass keeps (VJP residuals other than parameters)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    itemsizes: tuple[int, ...]
+    batch_dims: tuple[int | None, ...]  # the dim that grows with the batch; None: constant
+    rows: int  # batch rows the shapes were traced at
+
+    @property
+    def bytes(self) -> float:
+        return float(sum(math.prod(s) * i for s, i in zip(self.shapes, self.itemsizes)))
+
+    def bytes_at(self, rows: float, divisor: Callable[[tuple, int | None], int] | None = None,
+                 ) -> float:
+        """Bytes at ``rows`` batch rows, each array divided by ``divisor(shape, batch_dim)``."""
+        const, per_row = self.split(divisor)
+        return const + per_row * rows
+
+    def split(self, divisor: Callable[[tuple, int | None], int] | None = None,
+              upcast_16bit: bool = False) -> tuple[float, float]:
+        """``(constant bytes, bytes per batch row)``, each array divided by ``divisor``;
+        ``upcast_16bit`` counts 16-bit arrays as float32 (see DeviceProfile)."""
+        const = per_row = 0.0
+        for shape, item, bdim in zip(self.shapes, self.itemsizes, self.batch_dims):
+            item = 4 if upcast_16bit and item == 2 else item
+            b = math.prod(shape) * item / (divisor(shape, bdim) if divisor else 1)
+            if bdim is None:
+                const += b
+            else:
+                per_row += b / self.rows
+        return const, per_row
+
+
+def with_rows(tree: Any, rows: int, new: int) -> Any:
+    """The same abstract arrays with the batch dim (size ``rows``, leading first) set to ``new``."""
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, jax.ShapeDtypeStruct) or rows not in x.shape:
+            return x
+        shape = list(x.shape)
+        shape[shape.index(rows)] = new
+        return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+    return jax.tree.map(one, tree)
+
+
+def saved_from(avals: Sequence[Any], avals_one_row: Sequence[Any] | None, rows: int) -> Saved:
+    shapes = tuple(tuple(int(d) for d in a.shape) for a in avals)
+    if avals_one_row is not None and len(avals_one_row) == len(avals):
+        bdims = tuple(next((i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y), None)
+                      for a, b in zip(avals, avals_one_row))
+    else:  # structure changed with the batch: fall back to "a dim equal to rows"
+        bdims = tuple(s.index(rows) if rows in s else None for s in shapes)
+    return Saved(shapes, tuple(jnp.dtype(a.dtype).itemsize for a in avals), bdims, rows)
+
+
+def _layer_fn(call: LayerCall) -> tuple[Callable, list, list[bool]]:
+    """``f(params, rest, *arrays)`` re-running the recorded call; which arrays are float."""
+    leaves, treedef = jax.tree.flatten((call.args, call.kwargs))
+    dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
+
+    def f(params: Any, rest: Any, *arrays: Any) -> Any:
+        full = list(leaves)
+        for i, a in zip(dyn, arrays):
+            full[i] = a
+        args, kwargs = jax.tree.unflatten(treedef, full)
+        return nnx.merge(call.graphdef, params, rest)(*args, **kwargs)
+
+    arrays = [leaves[i] for i in dyn]
+    return f, arrays, [bool(jnp.issubdtype(a.dtype, jnp.inexact)) for a in arrays]
+
+
+def _vjp_program(call: LayerCall, policy: str) -> tuple[Callable, list[bool]]:
+    """``run(params, rest, cts, *arrays) -> (out, grads, residuals)``: forward + backward under
+    ``policy``. Cotangents are inputs, not constants, so XLA cannot fold the backward away."""
+    f, _, is_float = _layer_fn(call)
+    f = checkpointed(f, policy)
+    keep: list[bool] = []
+
+    def run(params: Any, rest: Any, cts: list, *arrays: Any) -> Any:
+        floats = [a for a, fl in zip(arrays, is_float) if fl]
+
+        def g(p: Any, *fl: Any) -> Any:
+            it = iter(fl)
+            return f(p, rest, *[next(it) if flt else a for a, flt in zip(arrays, is_float)])
+
+        out, vjp = jax.vjp(g, params, *floats)
+        residuals = jax.tree.leaves(vjp)
+        param_ids = {id(x) for x in jax.tree.leaves(params)}
+        keep[:] = [id(r) not in param_ids for r in residuals]
+        it = iter(cts)
+        full = jax.tree.map(lambda o: next(it) if jnp.issubdtype(o.dtype, jnp.inexact)
+                            else np.zeros(o.shape, jax.dtypes.float0), out)
+        return out, vjp(full), residuals
+
+    return run, keep
+
+
+def _cotangents(call: LayerCall, arrays: list) -> list:
+    out = jax.eval_shape(_layer_fn(call)[0], call.params, call.rest, *arrays)
+    return [x for x in jax.tree.leaves(out) if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+
+def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int
+                    ) -> tuple[Any, list, list, Timeline]:
+    """The traced program, the residuals it keeps, those that survive fusion, and the peak
+    bytes its backward pass needs beyond them (see :mod:`jaxmp.cost.liveness`)."""
+    run, keep = _vjp_program(call, policy)
+    cts = _cotangents(call, arrays)
+    with jax.disable_jit():  # inline jitted helpers: a flat program for the analyses
+        jaxpr = jax.make_jaxpr(run)(call.params, call.rest, cts, *arrays)
+    outvars, invars = jaxpr.jaxpr.outvars, jaxpr.jaxpr.invars
+    residuals = [v for v, k in zip(outvars[len(outvars) - len(keep):], keep) if k]
+    n_state = len(jax.tree.leaves((call.params, call.rest)))
+    n_out = len(jax.tree.leaves(jax.eval_shape(_layer_fn(call)[0], call.params, call.rest,
+                                               *arrays)))
+    n_pgrad = len(jax.tree.leaves(call.params))
+    producers = {v: i for i, e in enumerate(jaxpr.jaxpr.eqns) for v in e.outvars}
+    forward_end = 1 + max((producers[v] for v in outvars[:n_out]
+                           if not isinstance(v, jax.extend.core.Literal) and v in producers),
+                          default=-1)
+    fused = kept_values(jaxpr, residuals, exclude=invars[:n_state], forward_end=forward_end)
+    accounted = list(outvars[:n_out + n_pgrad]) + list(outvars[len(outvars) - len(keep):])
+    transient = backward_timeline(jaxpr, exclude=accounted,
+                                  live_inputs=invars[n_state:n_state + len(cts)],
+                                  primal_outputs=outvars[:n_out], rows=rows)
+    return jaxpr, [v.aval for v in residuals], [v.aval for v in fused], transient
+
+
+def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[str, Any]:
+    _, arrays, _ = _layer_fn(call)
+    out: dict[str, Any] = {"saved": {}, "fused": {}, "recompute": {}, "transient": {}}
+    totals: dict[str, float] = {}
+    for policy in policies:
+        jaxpr, res_avals, fused, transient = _residual_avals(call, policy, arrays, rows)
+        if rows > 1:
+            _, res_one, fused_one, transient_one = _residual_avals(
+                call, policy, with_rows(arrays, rows, 1), 1)
+        else:
+            res_one = fused_one = None
+            transient_one = transient
+        out["saved"][policy] = saved_from(res_avals, res_one, rows)
+        out["fused"][policy] = saved_from(fused, fused_one, rows)
+        out["transient"][policy] = transient.with_batch_dims(
+            transient_one if rows > 1 else None)
+        fwd, bwd = F.Counts(), F.Counts()
+        for leaf in F.iter_eqns(jaxpr):
+            (bwd if F.is_backward(leaf.name_stack) else fwd).__iadd__(
+                leaf.counts.scaled(leaf.multiplier))
+        totals[policy] = fwd.flops + bwd.flops
+        if policy == "none":
+            out["fwd"], out["bwd"] = fwd.flops, bwd.flops
+            out["transcendentals"] = fwd.transcendentals + bwd.transcendentals
+    for policy in policies:
+        out["recompute"][policy] = max(0.0, totals[policy] - totals.get("none", totals[policy]))
+    out["probe"] = (_layer_fn(call)[0], _vjp_program(call, "none")[0],
+                    (call.params, call.rest, _cotangents(call, arrays), *arrays))
+    return out
+
+
+def _xla_flops(fn: Callable, args: tuple) -> float:
+    ca = jax.jit(fn).lower(*args).compile().cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    return float(ca.get("flops", float("nan")))
+
+
+def xla_layer_check(cost: Any) -> list[dict[str, Any]]:
+    """Each distinct layer compiled alone: our forward and forward+backward FLOPs vs XLA's.
+
+    Both sides exclude transcendental ops (XLA reports them separately). Compiling is what makes
+    this a check rather than a second estimate, so it is slow for large layers.
+    """
+    rows = []
+    by_name = {lay.name.rsplit("/", 1)[0] if lay.kind == "block" else lay.name: lay
+               for lay in cost.layers}
+    for name, (fwd_fn, train_fn, args) in cost.probes.items():
+        lay = by_name[name]
+        fwd_args = args[:2] + args[3:]  # no cotangents
+        for what, fn, a, ours in (("fwd", fwd_fn, fwd_args, lay.fwd_flops),
+                                  ("fwd+bwd", train_fn, args, lay.fwd_flops + lay.bwd_flops)):
+            xla = _xla_flops(fn, a)
+            rows.append({"layer": name, "pass": what, "predicted": ours, "xla": xla,
+                         "rel_err": abs(ours - xla) / xla if xla else float("nan")})
+    return rows

@@ -1,0 +1,205 @@
+"""Peak memory of a layer's backward pass, by liveness over its (flattened) program.
+
+The backward pass of one layer needs memory beyond the activations saved for it: recomputed
+activations under remat, gradients of its intermediates (an attention layer's score gradients
+are as large as its scores), its input gradient. Compilers fuse elementwise chains, so the
+simulation materialises a value only when a non-fusible operation (matmul, reduction, gather,
+...) produces or reads it, or it is an output; a fused chain is read where its consumer runs.
+Each materialised value lives from its definition to its last read, in program order. The
+result is the largest sum of live values during the backward pass, excluding the parameters,
+the saved activations and the parameter gradients (which the caller accounts for).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from jax.extend import core as jcore
+
+from jaxmp._util.arrays import nbytes as _nbytes
+from jaxmp.cost import flops as F
+from jaxmp.cost.fusion import _ANCHORS
+
+_INLINE = ("pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
+           "custom_vjp_call", "custom_vjp_call_jaxpr")
+
+
+@dataclass
+class _Node:
+    fusible: bool
+    ins: list[int]
+    outs: list[int]
+    backward: bool
+
+
+class _Flat:
+    """A program flattened into nodes over integer value ids (calls inlined)."""
+
+    def __init__(self) -> None:
+        self.nodes: list[_Node] = []
+        self.size: dict[int, int] = {}
+        self.shape: dict[int, tuple[int, ...]] = {}
+        self._next = 0
+
+    def new(self, aval: Any) -> int:
+        self._next += 1
+        self.size[self._next] = _nbytes(aval)
+        self.shape[self._next] = tuple(int(d) for d in getattr(aval, "shape", ()))
+        return self._next
+
+    def add(self, jaxpr: Any, env: dict, stack: str) -> None:
+        for eqn in jaxpr.eqns:
+            own = str(eqn.source_info.name_stack)
+            full = f"{stack}/{own}" if stack and own else (stack or own)
+            ins = [env[v] for v in eqn.invars if not isinstance(v, jcore.Literal) and v in env]
+            subs = F._sub_jaxprs(eqn)
+            if eqn.primitive.name in _INLINE and subs:
+                sub = subs[0][0]
+                inner = {sv: env[ov] for sv, ov in zip(sub.invars, eqn.invars)
+                         if not isinstance(ov, jcore.Literal) and ov in env}
+                for sv in sub.invars:
+                    inner.setdefault(sv, self.new(sv.aval))
+                self.add(sub, inner, full)
+                for ov, sv in zip(eqn.outvars, sub.outvars):
+                    env[ov] = inner[sv] if not isinstance(sv, jcore.Literal) and sv in inner \
+                        else self.new(ov.aval)
+                continue
+            outs = [self.new(v.aval) for v in eqn.outvars]
+            env.update(zip(eqn.outvars, outs))
+            fusible = eqn.primitive.name not in _ANCHORS and not subs
+            self.nodes.append(_Node(fusible, ins, outs, F.is_backward(full)))
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Materialised values of a program as live intervals ``[start, stop]`` over its steps.
+
+    Kept per value (shape, batch dim) rather than as one number, so the peak can be taken per
+    candidate layout: rows per device scale batch dims, the tensor axis splits some values.
+    """
+
+    starts: tuple[int, ...]
+    stops: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    itemsizes: tuple[int, ...]
+    batch_dims: tuple[int | None, ...]
+    rows: int
+    backward_start: int
+    steps: int
+
+    def with_batch_dims(self, one_row: Timeline | None) -> Timeline:
+        """Batch dims from the same program traced at one row (values match by position)."""
+        if one_row is None or one_row.shapes.__len__() != len(self.shapes):
+            bdims = tuple(s.index(self.rows) if self.rows in s else None for s in self.shapes)
+        else:
+            bdims = tuple(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                          for a, b in zip(self.shapes, one_row.shapes))
+        return Timeline(self.starts, self.stops, self.shapes, self.itemsizes, bdims,
+                        self.rows, self.backward_start, self.steps)
+
+    def peak(self, rows: float, divisor: Any = None, upcast_16bit: bool = False) -> float:
+        """Largest live bytes during the backward pass at ``rows`` batch rows, each value
+        divided by ``divisor(shape, batch_dim)`` (e.g. the tensor axis); ``upcast_16bit``
+        counts 16-bit values as float32."""
+        return self.peak_of(self.sizes(divisor, upcast_16bit), rows)
+
+    def sizes(self, divisor: Any = None, upcast_16bit: bool = False
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Each value's (constant bytes, bytes per batch row): what :meth:`peak_of` needs."""
+        const, per_row = np.zeros(len(self.shapes)), np.zeros(len(self.shapes))
+        for k, (shape, item, bdim) in enumerate(zip(self.shapes, self.itemsizes,
+                                                    self.batch_dims)):
+            item = 4 if upcast_16bit and item == 2 else item
+            size = math.prod(shape) * item / (divisor(shape, bdim) if divisor else 1)
+            if bdim is None:
+                const[k] = size
+            else:
+                per_row[k] = size / self.rows
+        return const, per_row
+
+    def peak_of(self, sizes: tuple[np.ndarray, np.ndarray], rows: float) -> float:
+        if self.backward_start >= self.steps or not self.shapes:
+            return 0.0
+        weight = sizes[0] + sizes[1] * rows
+        n = self.steps + 2
+        delta = (np.bincount(self.starts, weight, n)
+                 - np.bincount(np.asarray(self.stops) + 1, weight, n))
+        return float(np.cumsum(delta)[self.backward_start:self.steps].max())
+
+
+def backward_timeline(jaxpr: Any, exclude: list[Any], live_inputs: list[Any] = (),
+                      primal_outputs: list[Any] = (), rows: int = 1) -> Timeline:
+    """The live intervals of ``jaxpr``'s materialised values (see the module docstring).
+
+    ``exclude`` are values accounted for elsewhere (residuals, parameter gradients, the
+    primal output); of the inputs only ``live_inputs`` (the incoming gradients) count. The
+    backward pass starts after the last of ``primal_outputs`` is computed (a VJP program runs
+    the whole forward first; under remat its backward equations are not marked as such).
+    """
+    if isinstance(jaxpr, jcore.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    flat = _Flat()
+    env = {v: flat.new(v.aval) for v in jaxpr.invars}
+    flat.add(jaxpr, env, "")
+    nodes = flat.nodes
+    outputs = {env[v] for v in jaxpr.outvars if not isinstance(v, jcore.Literal) and v in env}
+    skip = {env[v] for v in exclude if not isinstance(v, jcore.Literal) and v in env}
+    counted_inputs = {env[v] for v in live_inputs}
+    producer = {o: i for i, n in enumerate(nodes) for o in n.outs}
+    readers: dict[int, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for v in n.ins:
+            readers.setdefault(v, []).append(i)
+    material = {v for i, n in enumerate(nodes) for v in n.outs
+                if not n.fusible or v in outputs
+                or any(not nodes[j].fusible for j in readers.get(v, []))}
+    # Where each materialised value is last read: a fused chain reads its anchors when the
+    # materialising node at its end runs.
+    last: dict[int, int] = {}
+    anchors: dict[int, frozenset] = {}
+
+    def anchors_of(v: int) -> frozenset:
+        todo = [v]
+        while todo:
+            x = todo[-1]
+            if x in anchors:
+                todo.pop()
+                continue
+            p = producer.get(x)
+            if x in material or p is None:
+                anchors[x] = frozenset([x])
+                todo.pop()
+                continue
+            pending = [y for y in nodes[p].ins if y not in anchors]
+            if pending:
+                todo.extend(pending)
+                continue
+            anchors[x] = frozenset().union(*(anchors[y] for y in nodes[p].ins))
+            todo.pop()
+        return anchors[v]
+
+    for i, n in enumerate(nodes):
+        if n.fusible and not any(o in material for o in n.outs):
+            continue  # runs inside its consumer's fusion
+        for v in n.ins:
+            for a in anchors_of(v):
+                last[a] = max(last.get(a, -1), i)
+    end = len(nodes)
+    starts, stops, shapes, items = [], [], [], []
+    for v in sorted(material | counted_inputs):  # ids follow program order: traces align
+        if v in skip or not flat.size[v]:
+            continue
+        start = producer.get(v, 0)
+        starts.append(start)
+        stops.append(end - 1 if v in outputs else max(last.get(v, start), start))
+        shapes.append(flat.shape[v])
+        items.append(flat.size[v] // max(1, math.prod(flat.shape[v])))
+    primal = [producer[env[v]] for v in primal_outputs
+              if not isinstance(v, jcore.Literal) and env.get(v) in producer]
+    bwd = max(primal) + 1 if primal else next(
+        (i for i, n in enumerate(nodes) if n.backward), end)
+    return Timeline(tuple(starts), tuple(stops), tuple(shapes), tuple(items),
+                    (None,) * len(shapes), rows, bwd, end)

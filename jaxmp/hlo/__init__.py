@@ -1,0 +1,11 @@
+"""Reading compiled XLA programs back: collectives and the bytes each device sends per step.
+
+* :mod:`jaxmp.hlo.module` — the HLO text parsed into computations, with loop trip counts;
+* :mod:`jaxmp.hlo.collectives` — :func:`collective_stats`, ring formulas, folding the CPU
+  backend's all-reduce + dynamic-slice into the reduce-scatter GPUs emit.
+"""
+
+from jaxmp.hlo.collectives import KINDS, CollectiveOp, CollectiveStats, collective_stats
+from jaxmp.hlo.module import shape_bytes
+
+__all__ = ["KINDS", "CollectiveOp", "CollectiveStats", "collective_stats", "shape_bytes"]

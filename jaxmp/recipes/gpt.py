@@ -1,0 +1,106 @@
+"""The built-in recipe: GPT + next-token loss + jaxmp.data, fed to the same ``Trainer``.
+
+``jaxmp train`` is ``gpt_trainer(config, run_dir).fit()``; nothing here is special-cased in the
+trainer, which is how research code with its own model uses it too. The recipe's own knowledge
+is here: how its config sections become a model and a token stream, its example batch, and its
+per-layer costs for the planner (traced with a scanned layer stack, which is fast for deep
+models and gives the same costs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmp.cost import REMAT_POLICIES, ModelCost, model_costs
+from jaxmp.data import BatchIterator, make_batches
+from jaxmp.models import GPT, GPTConfig, lm_loss
+from jaxmp.plan import Plan, plan_for_config
+from jaxmp.recipes.gpt_config import Config
+from jaxmp.train import Trainer
+
+
+def gpt_config(config: Config) -> GPTConfig:
+    """The ``[model]`` section as the model's own GPTConfig: each field by name, with the
+    section's ``resolved_*`` value where it derives one (zeros mean "derive it")."""
+    m = config.model
+    return GPTConfig(**{f.name: getattr(m, f"resolved_{f.name}", getattr(m, f.name))
+                        for f in dataclasses.fields(GPTConfig)})
+
+
+def gpt_model_fn(config: Config) -> Callable[[nnx.Rngs], GPT]:
+    cfg = gpt_config(config)
+    return lambda rngs: GPT(cfg, rngs=rngs)
+
+
+def example_batch(config: Config) -> dict[str, jax.ShapeDtypeStruct]:
+    """The global batch's shapes: ``inputs`` and ``targets``, ``int32[batch, seq_len]``."""
+    shape = (config.train.batch_size, config.data.seq_len)
+    return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32),
+            "targets": jax.ShapeDtypeStruct(shape, jnp.int32)}
+
+
+def lm_batches(config: Config, split: str = "train", seed_offset: int = 0) -> BatchIterator:
+    d, t = config.data, config.train
+    return make_batches(d.source, seq_len=d.seq_len, global_batch=t.batch_size,
+                        seed=t.seed + seed_offset, vocab_size=config.model.vocab_size,
+                        split=split, token_dtype=d.token_dtype, eval_fraction=d.eval_fraction)
+
+
+_COST_CACHE: dict[tuple, ModelCost] = {}
+
+
+def gpt_costs(config: Config, remats: Sequence[str] | None = None) -> ModelCost:
+    """Per-layer costs of the configured GPT on the configured global batch (cached).
+
+    ``remats``: the policies to cost (default: all). ``runs_as`` is the configured policy.
+    """
+    gcfg = gpt_config(config)
+    remats = tuple(remats or REMAT_POLICIES)
+    if "none" not in remats:
+        remats = ("none",) + remats  # the working set of a rematted layer needs its full size
+    key = (gcfg, config.train.batch_size, config.data.seq_len)
+    cached = _COST_CACHE.get(key)
+    if cached is None or not set(remats) <= set(cached.layers[0].saved):
+        # Trace with a scanned stack whatever the config says (one block: fast); the costs
+        # are the same, only the fsdp re-gather of scanned weights depends on it.
+        traced = dataclasses.replace(gcfg, scan_layers=True)
+        cost = model_costs(lambda rngs: GPT(traced, rngs=rngs), example_batch(config), lm_loss,
+                           policies=remats)
+        for lay in cost.layers:
+            lay.in_loop = lay.kind == "block" and gcfg.scan_layers
+        if len(_COST_CACHE) >= 4:
+            _COST_CACHE.pop(next(iter(_COST_CACHE)))
+        _COST_CACHE[key] = cost
+    return dataclasses.replace(_COST_CACHE[key], runs_as=config.model.remat)
+
+
+def gpt_plan(config: Config, n_devices: int, device_kind: str | None = None) -> Plan:
+    """``jaxmp plan``: rank every layout and remat policy for the configured GPT."""
+    return plan_for_config(config, gpt_costs(config), n_devices, device_kind=device_kind,
+                           remats=tuple(REMAT_POLICIES), strict=True, measure_cpu=True)
+
+
+def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,
+                devices: Sequence[Any] | None = None, plan: Plan | None = None,
+                with_data: bool = True) -> Trainer:
+    """A Trainer for the configured GPT on the configured token source.
+
+    ``with_data=False`` builds one that can compile its step (``jaxmp plan --verify``,
+    ``jaxmp bench``) without opening the token source.
+    """
+    eval_data = None
+    if with_data and config.train.eval_every > 0 and config.data.source != "synthetic":
+        eval_data = lambda: lm_batches(config, split="eval")  # noqa: E731 - fresh, same batches
+    return Trainer(config, gpt_model_fn(config), lm_loss,
+                   lm_batches(config) if with_data else None, run_dir=run_dir,
+                   eval_data=eval_data, devices=devices, plan=plan,
+                   cost=lambda: gpt_costs(config, (config.model.remat,)),
+                   example_batch=example_batch(config),
+                   model_flops_per_token=gpt_config(config).flops_per_token(config.data.seq_len))

@@ -1,0 +1,110 @@
+"""The GPT recipe's config: its ``[model]`` and ``[data]`` sections on top of the trainer's.
+
+``jaxmp.load_config`` (and ``jaxmp train``) load this schema; the defaults *are*
+``configs/tiny.toml`` (tested). Stdlib only, like :mod:`jaxmp.config`: the CLI loads a config
+before jax may be imported. (No ``from __future__ import annotations``: field types are read at
+run time.)
+"""
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from jaxmp.config import Section, TrainerConfig, bounded, load, require
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    """Decoder-only transformer shape; 0 in kv_heads / head_dim / mlp_dim means "derive it"."""
+
+    section: ClassVar[str] = "model"
+    layers: int = bounded(4, ge=1)
+    d_model: int = bounded(128, ge=1)
+    heads: int = bounded(4, ge=1)
+    kv_heads: int = bounded(0, ge=0)
+    head_dim: int = bounded(0, ge=0)
+    mlp_dim: int = bounded(0, ge=0)
+    vocab_size: int = bounded(256, ge=2)
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    tie_embeddings: bool = True
+    scan_layers: bool = True
+    remat: Literal["none", "save_dots", "full"] = "none"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    norm_eps: float = bounded(1e-5, gt=0)
+    init_std: float = bounded(0.02, gt=0)
+
+    def _validate(self) -> None:
+        if self.head_dim == 0:  # an explicit head_dim frees d_model from dividing by heads
+            require(self.d_model % self.heads == 0, "model.d_model",
+                     f"must be divisible by model.heads={self.heads}", self.d_model)
+        require(self.kv_heads <= self.heads and self.heads % self.resolved_kv_heads == 0,
+                 "model.kv_heads", f"must divide model.heads={self.heads} (or be 0)", self.kv_heads)
+
+    @property
+    def resolved_kv_heads(self) -> int:
+        """Key/value heads actually built (grouped-query attention when < heads)."""
+        return self.kv_heads or self.heads
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.heads
+
+    @property
+    def resolved_mlp_dim(self) -> int:
+        """Hidden MLP width. SwiGLU uses 8/3·d_model (same params as a 4·d GELU MLP, having three
+        matrices), rounded *up* to a multiple of 64 so matmuls tile and shard evenly."""
+        if self.mlp_dim:
+            return self.mlp_dim
+        if self.activation == "swiglu":
+            return 64 * math.ceil(round(8 * self.d_model / 3) / 64)
+        return 4 * self.d_model
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    """Tokens from bundled stdlib text (bytes), a synthetic stream, or a flat .bin token file."""
+
+    section: ClassVar[str] = "data"
+    source: str = "stdlib"
+    seq_len: int = bounded(128, ge=2)
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    eval_fraction: float = bounded(0.01, ge=0, lt=0.5)
+
+    def _validate(self) -> None:
+        require(self.source in ("stdlib", "synthetic") or self.source.endswith(".bin"),
+                 "data.source", "expected 'stdlib', 'synthetic' or a path ending in .bin",
+                 self.source)
+
+
+@dataclass(frozen=True)
+class Config(TrainerConfig):
+    """The trainer's sections plus the GPT's ``model`` and ``data``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def _validate(self) -> None:
+        vocab, source = self.model.vocab_size, self.data.source
+        if source == "stdlib":
+            require(vocab >= 256, "model.vocab_size",
+                    "must be >= 256 for byte-level data.source='stdlib'", vocab)
+        if source.endswith(".bin") and self.data.token_dtype == "uint16":
+            require(vocab <= 65536, "data.token_dtype",
+                    f"uint16 cannot hold model.vocab_size={vocab} ids (use 'uint32')", "uint16")
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (),
+                schema: type[TrainerConfig] = Config) -> TrainerConfig:
+    """Defaults (= configs/tiny.toml), then the file, then each ``section.key=value`` in order.
+
+    ``schema``: the config class to load; the GPT recipe's :class:`Config` by default. Research
+    code with its own model passes ``jaxmp.TrainerConfig`` (or a subclass adding its own
+    sections), so its files need no ``[model]`` or ``[data]`` of the GPT's.
+    """
+    return load(schema, path, overrides)

@@ -1,0 +1,23 @@
+"""Logical names → mesh shardings, for parameters and activations (layer 2).
+
+* :mod:`jaxmp.sharding.resolve` — the ordered rules and one array's resolution;
+* :mod:`jaxmp.sharding.tree` — names of every array of a tree, its specs and shardings;
+* :mod:`jaxmp.sharding.activations` — ``constrain`` activations by logical name;
+* :mod:`jaxmp.sharding.lint` — how far a tree is from ideal per-device memory, and why.
+
+Research code uses the same names through the facade ``from jaxmp import rules``.
+"""
+
+from jaxmp.sharding.activations import activation_sharding, constrain
+from jaxmp.sharding.lint import LintReport, lint
+from jaxmp.sharding.resolve import (DEFAULT_RULES, Axes, Fallback, Names, PathRule, Resolution,
+                                    Rule, check_rank, logical_spec, normalize_rules,
+                                    normalize_spec, resolve)
+from jaxmp.sharding.tree import (METADATA_KEYS, Leaf, logical_names, names_of, resolve_leaves,
+                                 shardings_for, specs_for, tree_leaves)
+
+__all__ = ["DEFAULT_RULES", "METADATA_KEYS", "Axes", "Fallback", "Leaf", "LintReport", "Names",
+           "PathRule", "Resolution", "Rule", "activation_sharding", "check_rank", "constrain",
+           "lint", "logical_names", "logical_spec", "names_of", "normalize_rules",
+           "normalize_spec", "resolve", "resolve_leaves", "shardings_for", "specs_for",
+           "tree_leaves"]

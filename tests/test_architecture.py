@@ -86,16 +86,16 @@ def test_every_package_has_a_layer():
 
 def test_imports_flow_down(graph):
     layers = layer_table(DOC.read_text())
-    upward = [f"{m} (layer {layers[top(m)]}) imports {t} (layer {layers[top(t)]}) at line {line}"
-              for m, edges in graph.items() if m != "jaxmp"
-              for t, line, _ in edges if t != "jaxmp" and layers[top(t)] > layers[top(m)]]
+    upward = sorted({f"{m} (layer {layers[top(m)]}) imports {t} (layer {layers[top(t)]}) at "
+                     f"line {line}" for m, edges in graph.items() if m != "jaxmp"
+                     for t, line, _ in edges if t != "jaxmp" and layers[top(t)] > layers[top(m)]})
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
 
 
 def test_no_function_local_jaxmp_imports(graph):
-    local = [f"{m}:{line} imports {t} inside a function" for m, edges in graph.items()
-             if not m.startswith(LOCAL_IMPORTS_ALLOWED[1]) and m != LOCAL_IMPORTS_ALLOWED[0]
-             for t, line, inside in edges if inside]
+    local = sorted({f"{m}:{line} imports {t} inside a function" for m, edges in graph.items()
+                    if not m.startswith(LOCAL_IMPORTS_ALLOWED[1]) and m != LOCAL_IMPORTS_ALLOWED[0]
+                    for t, line, inside in edges if inside})
     assert not local, "\n".join(local)
 
 

@@ -14,7 +14,8 @@ array dimensions logically, in two ways at once, to show both:
   on their path (``conv1/kernel`` → ``(None, None, None, "conv_out")``).
 
 ``RULES`` then maps the model's own names (``conv_in``, ``conv_out``, ``classes``) onto mesh
-axes; they are tried before ``jaxmp.rules.DEFAULT_RULES``, first free match wins.
+axes, followed by ``jaxmp.rules.DEFAULT_RULES`` (``rules=`` is the complete list everywhere in
+jaxmp, so extending the defaults means appending them); first free match wins.
 
 The data are images ``prototype[label] + noise``: ten fixed random "teacher" prototypes, so the
 loss falls from ln 10 ≈ 2.30 within a few dozen steps. Each process yields only its rows of
@@ -53,11 +54,12 @@ from jaxmp.rules import constrain  # noqa: E402
 IMAGE = (16, 16, 3)
 CLASSES = 10
 
-# The model's own logical names → mesh axes (tried before jaxmp.rules.DEFAULT_RULES).
+# The model's own logical names → mesh axes, then jaxmp's defaults.
 RULES = [
     ("conv_in", "fsdp"),  # like "embed": shard the input channels of weights over fsdp...
     ("conv_out", "tensor"),  # ...and the output channels over tensor (like "mlp")
     ("classes", None),  # 10 logits: replicated
+    *jaxmp.rules.DEFAULT_RULES,
 ]
 # Names for parameters that carry no metadata (stock nnx.Conv); first matching regex wins.
 PATH_RULES = [

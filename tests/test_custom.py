@@ -62,7 +62,7 @@ def test_both_naming_ways_shard(tc) -> None:
     mesh = jax.make_mesh((2, 1, 2, 2), ("data", "stage", "fsdp", "tensor"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 4)
     model = nnx.eval_shape(lambda: tc.ConvNet(rngs=nnx.Rngs(0)))
-    specs = rules.specs_for(model, mesh, rules=tuple(tc.RULES) + rules.DEFAULT_RULES,
+    specs = rules.specs_for(model, mesh, rules=tc.RULES,
                             path_rules=tc.PATH_RULES)
     flat = {"/".join(_key(k) for k in path): spec for path, spec in
             jax.tree_util.tree_flatten_with_path(

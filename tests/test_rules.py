@@ -278,12 +278,44 @@ def test_rank_mismatch_names_path_names_and_shape(meshes):
 
     class Bad(nnx.Module):
         def __init__(self):
-            self.w = nnx.Param(jnp.zeros((4, 4)), out_sharding=("embed",), eager_sharding=False)
+            self.w = nnx.Param(jnp.zeros((4,)), out_sharding=("embed", "mlp"),
+                               eager_sharding=False)
 
-    with pytest.raises(ValueError, match=r"w: logical names \('embed',\).*\(4, 4\)"):
+    with pytest.raises(ValueError, match=r"w: logical names \('embed', 'mlp'\).*\(4,\)"):
         rules.specs_for(Bad(), meshes["fsdp8"])
     with pytest.raises(ValueError, match="rank"):
-        rules.logical_spec(("batch",), (2, 3), meshes["fsdp8"])
+        rules.logical_spec(("batch", None, None), (2, 3), meshes["fsdp8"])
+
+
+def test_fewer_names_than_dims_pad_with_none(meshes):
+    """As in Flax and JAX, a short spec replicates the trailing dims; lint says so."""
+    class Attn(nnx.Module):
+        def __init__(self):
+            self.q = nnx.Param(jnp.zeros((64, 8, 16)), out_sharding=("embed", "heads"),
+                               eager_sharding=False)
+
+    m = Attn()
+    assert rules.specs_for(m, meshes["d2f2t2"])["q"] == P("fsdp", "tensor")
+    assert rules.logical_names(m)["q"] == ("embed", "heads", None)
+    assert rules.logical_spec(("batch",), (8, 3), meshes["data8"]) == P("data")
+    report = rules.lint(m, meshes["d2f2t2"])
+    assert report.partial == [("q", 2, 3)] and "2 of 3 dims" in str(report)
+
+
+def test_mesh_axis_names_mean_those_axes(meshes):
+    """Flax examples annotate with mesh-axis names directly; with no rule of their own they mean
+    that axis (what Flax does), instead of being unknown and replicated."""
+    class Net(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros((64, 256)), out_sharding=("fsdp", "tensor"),
+                               eager_sharding=False)
+
+    assert rules.specs_for(Net(), meshes["d2f2t2"])["w"] == P("fsdp", "tensor")
+    assert rules.specs_for(Net(), meshes["fsdp8"])["w"] == P("fsdp")
+    report = rules.lint(Net(), meshes["fsdp8"])
+    assert report.ratio == pytest.approx(1.0) and report.unknown_names == []
+    # a rule of the same name wins over the mesh-axis meaning
+    assert rules.specs_for(Net(), meshes["fsdp8"], rules=[("fsdp", None)])["w"] == P()
 
 
 def test_bad_rules_rejected(meshes):

@@ -94,8 +94,22 @@ def record(entry: Entry) -> dict[str, Any]:
            "spec": spec_to_json(sharding.spec) if isinstance(sharding, NamedSharding) else None,
            "bytes": math.prod(np.shape(stored)) * np.dtype(stored.dtype).itemsize}
     if is_key(x):
-        rec["prng_impl"] = str(jax.random.key_impl(x))
+        rec["prng_impl"] = key_impl_name(x)
     return rec
+
+
+def key_impl_name(x: Any) -> str:
+    """The PRNG implementation of a typed key, concrete or abstract (``ShapeDtypeStruct``).
+
+    ``jax.random.key_impl`` only takes concrete keys; an abstract key (what the trainer sees
+    before it initialises) carries its implementation in its dtype.
+    """
+    if isinstance(x, jax.Array):
+        return str(jax.random.key_impl(x))
+    impl = getattr(x.dtype, "_impl", None)
+    if impl is None:  # pragma: no cover - a future jax without the attribute
+        return str(jax.random.key_impl(jax.random.key(0)))
+    return str(getattr(impl, "name", impl))
 
 
 def saved_mesh(values: Sequence[Any]) -> dict[str, int] | None:

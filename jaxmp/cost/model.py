@@ -197,21 +197,23 @@ def _root_saved(model: Any, batch: Any, loss_fn: Callable | None, rows: int
 
 
 def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
-                tx: Any = None, policies: Sequence[str] = tuple(REMAT_POLICIES)) -> ModelCost:
+                tx: Any = None, policies: Sequence[str] = tuple(REMAT_POLICIES),
+                path_rules: Sequence | None = None) -> ModelCost:
     """Per-layer costs of ``model`` (an NNX module or ``model_fn(rngs)``) on ``batch``.
 
     ``batch`` is a pytree of arrays or ``jax.ShapeDtypeStruct`` whose leading dim is the global
-    batch; ``loss_fn(model, batch)`` returns the loss (default: the sum of the outputs of
-    ``model(batch)``); ``tx`` sizes optimizer state (default: two moments per parameter, Adam).
+    batch; ``loss_fn(model, batch[, rngs])`` returns the loss (default: the sum of the outputs
+    of ``model(batch)``); ``tx`` sizes optimizer state (default: two moments per parameter,
+    Adam); ``path_rules`` name parameters that carry no metadata, as in the Trainer.
     Nothing is executed or compiled: everything is traced on abstract values.
     """
     if not isinstance(model, nnx.Module):
-        model = nnx.eval_shape(lambda: model(nnx.Rngs(0)))
+        model = sharding.abstract(lambda: model(nnx.Rngs(0)))
     batch = _abstract(batch)
     rows = int(jax.tree.leaves(batch)[0].shape[0])
     grad_jaxpr, rec = trace_training(model, batch, loss_fn)
     specs = rec.specs
-    all_leaves, _ = sharding.tree_leaves(nnx.state(model, nnx.Param))
+    all_leaves, _ = sharding.tree_leaves(nnx.state(model, nnx.Param), path_rules)
     att = _attribute(grad_jaxpr, len(all_leaves))
     order, root_reads = att["order"], att["root_reads"]
     warnings = att["warnings"]

@@ -25,6 +25,7 @@ import jax
 from flax import nnx
 
 from jaxmp.cost.flops import _sub_jaxprs, iter_eqn
+from jaxmp.loss import call_loss
 from jaxmp.sharding import names_of
 
 SCOPE = "jaxmp.L"
@@ -120,6 +121,45 @@ def _resolve(model: Any, name: str) -> Any:
 
 
 @contextlib.contextmanager
+def around_layers(model: Any, around: Callable[[Callable, tuple, dict], Any]) -> Iterator[None]:
+    """While inside, each outermost call of one of ``model``'s top-level layers (layer stacks
+    excepted) runs as ``around(call, args, kwargs)`` instead of ``call(*args, **kwargs)``.
+
+    ``model`` is the instance that will run (e.g. a merged copy being traced); the layers'
+    classes are patched for the duration only.
+    """
+    specs = [s for s in find_layers(model) if not s.stack]
+    live = {id(_resolve(model, s.name)) for s in specs}
+    classes = {type(s.module) for s in specs}
+    depth = [0]
+    saved: dict[type, Any] = {}
+
+    def wrap(orig: Callable) -> Callable:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if depth[0] or id(self) not in live:
+                return orig(self, *args, **kwargs)
+            depth[0] += 1
+            try:
+                return around(lambda *a, **k: orig(self, *a, **k), args, kwargs)
+            finally:
+                depth[0] -= 1
+
+        return call
+
+    try:
+        for cls in classes:
+            saved[cls] = cls.__dict__.get("__call__")
+            cls.__call__ = wrap(cls.__call__)
+        yield
+    finally:
+        for cls, orig in saved.items():
+            if orig is None:
+                del cls.__call__
+            else:
+                cls.__call__ = orig
+
+
+@contextlib.contextmanager
 def recording(model: Any, specs: list[LayerSpec], rec: Recording) -> Iterator[None]:
     """Wrap the layer classes' ``__call__`` while ``model`` (a merged, traced copy) runs."""
     live = {id(_resolve(model, s.name)): s for s in specs if not s.stack}
@@ -193,7 +233,7 @@ def _loss_of(model: Any, specs: list[LayerSpec], rec: Recording,
     def loss_of(p: Any, b: Any) -> Any:
         m = nnx.merge(graphdef, p, rest)
         with recording(m, specs, rec):
-            out = loss_fn(m, b) if loss_fn is not None else m(b)
+            out = call_loss(loss_fn, m, b) if loss_fn is not None else m(b)
         return scalar_loss(out)
 
     return loss_of, params

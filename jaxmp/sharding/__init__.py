@@ -11,13 +11,14 @@ Research code uses the same names through the facade ``from jaxmp import rules``
 from jaxmp.sharding.activations import activation_sharding, constrain
 from jaxmp.sharding.lint import LintReport, lint
 from jaxmp.sharding.resolve import (DEFAULT_RULES, Axes, Fallback, Names, PathRule, Resolution,
-                                    Rule, check_rank, logical_spec, normalize_rules,
+                                    Rule, fit_names, logical_spec, normalize_rules,
                                     normalize_spec, resolve)
-from jaxmp.sharding.tree import (METADATA_KEYS, Leaf, logical_names, names_of, resolve_leaves,
-                                 shardings_for, specs_for, tree_leaves)
+from jaxmp.sharding.tree import (METADATA_KEYS, Leaf, abstract, logical_names, names_of,
+                                 resolve_leaves, shardings_for, specs_for, tree_leaves,
+                                 without_eager_sharding)
 
 __all__ = ["DEFAULT_RULES", "METADATA_KEYS", "Axes", "Fallback", "Leaf", "LintReport", "Names",
-           "PathRule", "Resolution", "Rule", "activation_sharding", "check_rank", "constrain",
-           "lint", "logical_names", "logical_spec", "names_of", "normalize_rules",
+           "PathRule", "Resolution", "Rule", "abstract", "activation_sharding", "constrain",
+           "fit_names", "lint", "logical_names", "logical_spec", "names_of", "normalize_rules",
            "normalize_spec", "resolve", "resolve_leaves", "shardings_for", "specs_for",
-           "tree_leaves"]
+           "tree_leaves", "without_eager_sharding"]

@@ -63,6 +63,36 @@ class LintReport:
     unknown_names: list[str]
     fallbacks: list[Fallback]
     arrays: list[ArrayInfo] = field(default_factory=list)
+    # (path, names given, rank) of arrays named on fewer dims than they have
+    partial: list[tuple[str, int, int]] = field(default_factory=list)
+
+    @property
+    def shards(self) -> int:
+        """Devices the params are meant to be split over: every axis but ``data``, whose
+        replicas hold the same params by design (data parallelism)."""
+        return math.prod(v for k, v in self.mesh.items() if k != "data")
+
+    @property
+    def shard_ratio(self) -> float:
+        """Per-device bytes over ``total / shards``: 1.0 when every array splits evenly."""
+        return self.per_device_bytes * self.shards / self.total_bytes if self.total_bytes else 1.0
+
+    def summary(self) -> str:
+        """One line: per-device bytes against the ideal, and what stays replicated."""
+        return (f"{fmt_bytes(self.total_bytes)}, {fmt_bytes(self.per_device_bytes)} per device = "
+                f"{self.shard_ratio:.2f}x total/{self.shards}; {fmt_bytes(self.replicated_bytes)} "
+                f"in {len(self.replicated)} array(s) replicated")
+
+    def warning(self, threshold: float = 1.5) -> str | None:
+        """A one-line warning when per-device bytes exceed ``threshold`` x ``total / shards``,
+        naming the largest replicated arrays and the names no rule knows (None: balanced)."""
+        if self.shard_ratio <= threshold:
+            return None
+        largest = ", ".join(f"{p} ({fmt_bytes(b)})" for p, b in self.replicated[:3])
+        unknown = (f"; names no rule knows: {', '.join(self.unknown_names)}"
+                   if self.unknown_names else "")
+        return (f"params take {self.shard_ratio:.2f}x total/{self.shards} per device: largest "
+                f"replicated arrays {largest or 'none'}{unknown} (add rules or path_rules)")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (tuples become lists) for ``--json`` output and plan files."""
@@ -105,6 +135,10 @@ class LintReport:
                 width=96, initial_indent="  ", subsequent_indent="    ")
         lines += _section("Logical names no rule mentions", ["name"],
                           [[n] for n in self.unknown_names])
+        if self.partial:
+            lines += _section("Names covering fewer dims than the array has (rest replicated)",
+                              ["path", "names cover"],
+                              [[p, f"{given} of {rank} dims"] for p, given, rank in self.partial])
         return "\n".join(lines)
 
 
@@ -147,7 +181,10 @@ def lint(tree: Any, mesh: Any, rules: Sequence[Rule] = DEFAULT_RULES,
         mesh=sizes, total_bytes=total, per_device_bytes=per_device, ideal_bytes=ideal,
         ratio=per_device / ideal if ideal else 1.0, replicated=replicated,
         replicated_bytes=sum(b for _, b in replicated), unused_rules=unused,
-        unknown_names=sorted(present - {logical for logical, _ in rules}), fallbacks=fallbacks,
+        unknown_names=sorted(present - {logical for logical, _ in rules} - set(sizes)),
+        fallbacks=fallbacks,
+        partial=[(leaf.path, leaf.given, len(leaf.shape)) for leaf in leaves
+                 if leaf.names is not None and leaf.given < len(leaf.shape)],
         arrays=arrays)
 
 

@@ -10,6 +10,11 @@ except that a logical name may appear in several rules which are tried in turn: 
 that is missing, of size 1, already used by another dimension of the same array, or that does
 not divide the dimension is skipped and the next rule for that name gets its chance. (Flax
 NNX's dict-based rules keep only the last rule per name, so they cannot express fallbacks.)
+
+Two conventions follow Flax and JAX so that research code works as written: fewer names than
+dims are padded with None (the trailing dims are replicated), and a name that is itself a mesh
+axis of the current mesh, with no rule of its own, means that mesh axis (Flax examples often
+annotate with mesh-axis names directly).
 """
 
 from __future__ import annotations
@@ -136,20 +141,37 @@ def resolve(names: Names, shape: Sequence[int], mesh_sizes: dict[str, int],
                 assigned[i] = chosen[0] if len(chosen) == 1 else tuple(chosen)
                 used.update(chosen)
                 fired.add(idx)
+    own = {logical for logical, _ in rules}
+    for i, name in enumerate(names):  # a mesh-axis name without a rule: that axis
+        size = mesh_sizes.get(name, 1) if name is not None and name not in own else 1
+        if assigned[i] is not unset or size == 1 or name in used:
+            continue
+        if shape[i] % size:
+            fallbacks.append(Fallback(path, i, name, name, size, int(shape[i])))
+        else:
+            assigned[i] = name
+            used.add(name)
     spec = normalize_spec(None if a is unset else a for a in assigned)
     return Resolution(spec, frozenset(fired), frozenset(considered), tuple(fallbacks))
 
 
-def check_rank(names: Names, shape: Sequence[int], path: str, source: str) -> None:
-    if len(names) != len(shape):
+def fit_names(names: Sequence[str | None], shape: Sequence[int], path: str = "",
+              source: str = "") -> Names:
+    """``names`` padded with None to the array's rank, as Flax and JAX pad a short spec.
+
+    More names than dims is an error (a name would point at no dim).
+    """
+    names = tuple(names)
+    if len(names) > len(shape):
+        where = f" ({source})" if source else ""
         raise ValueError(
-            f"{path or '<array>'}: logical names {tuple(names)} ({source}) have {len(names)} "
-            f"entries but the array has shape {tuple(shape)} (rank {len(shape)})")
+            f"{path or '<array>'}: logical names {names}{where} have {len(names)} entries but "
+            f"the array has shape {tuple(shape)} (rank {len(shape)})")
+    return names + (None,) * (len(shape) - len(names))
 
 
 def logical_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Any,
                  rules: Sequence[Rule] = DEFAULT_RULES) -> P:
     """Resolve one array's logical names on ``mesh``; used for activations."""
-    names = tuple(names)
-    check_rank(names, shape, "", "logical_spec")
+    names = fit_names(names, shape, "", "logical_spec")
     return resolve(names, tuple(shape), mesh_shape(mesh), normalize_rules(rules)).spec

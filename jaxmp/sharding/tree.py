@@ -10,7 +10,7 @@ tree is a pytree prefix of the input (a spec where each Variable was).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +23,29 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmp._util.arrays import nbytes
 from jaxmp.mesh import mesh_shape
-from jaxmp.sharding.resolve import (DEFAULT_RULES, Names, PathRule, Resolution, Rule, check_rank,
-                                    normalize_rules, resolve)
+from jaxmp.sharding.resolve import (DEFAULT_RULES, Names, PathRule, Resolution, Rule,
+                                    fit_names, normalize_rules, resolve)
 
 # Where flax keeps logical names in Variable metadata, newest first (0.12: out_sharding).
 METADATA_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def without_eager_sharding() -> Any:
+    """A context in which NNX models are built with their names as metadata only.
+
+    Flax 0.12 shards an annotated Variable as it is created ("eager sharding"), which needs a
+    mesh whose axes *are* the names. jaxmp resolves logical names itself, so every place that
+    builds a model (abstractly or for real) does it inside this context; the Variables remember
+    ``eager_sharding=False``, so later splits and merges need nothing more.
+    """
+    return nnx.use_eager_sharding(False)
+
+
+def abstract(model_fn: Callable[[], Any]) -> Any:
+    """``nnx.eval_shape(model_fn)`` with eager sharding off: an abstract model (shapes and
+    names, no memory) to hand to :func:`specs_for`, :func:`shardings_for` or :func:`lint`."""
+    with without_eager_sharding():
+        return nnx.eval_shape(model_fn)
 
 
 @dataclass(frozen=True)
@@ -37,7 +55,8 @@ class Leaf:
     path: str
     shape: tuple[int, ...]
     nbytes: int
-    names: Names | None
+    names: Names | None  # padded to the rank
+    given: int = 0  # how many names were given (fewer than dims: the rest replicated)
 
 
 def _is_leaf(x: Any) -> bool:
@@ -123,11 +142,12 @@ def tree_leaves(tree: Any, path_rules: Sequence[PathRule] | None = None) -> tupl
                 names, source = rule_names, f"path rule {pattern!r}"
                 break
         shape = tuple(int(d) for d in np.shape(value))
+        given = len(names) if names is not None and shape else 0
         if not shape:
             names = None
         elif names is not None:
-            check_rank(names, shape, path, source)
-        leaves.append(Leaf(path, shape, nbytes(value), names))
+            names = fit_names(names, shape, path, source)
+        leaves.append(Leaf(path, shape, nbytes(value), names, given))
     return leaves, treedef
 
 

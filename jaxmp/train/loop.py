@@ -37,10 +37,13 @@ from jaxmp.train.step import LossFn, batch_spec, make_eval_step, make_train_step
 class Trainer:
     """Train a Flax NNX model on a mesh with one jit step; checkpoints, metrics and resume.
 
-    ``model_fn(rngs)`` builds the model; ``loss_fn(model, batch)`` returns a scalar loss or
-    ``(loss, aux)``; ``data`` yields this process's rows of each global batch as numpy dicts.
-    ``rules`` are tried before the defaults (first match wins), ``path_rules`` name the axes of
-    parameters that carry no logical-name metadata.
+    ``model_fn(rngs)`` builds the model; ``loss_fn(model, batch)`` — or ``loss_fn(model,
+    batch, rngs)`` for fresh per-step randomness (dropout) — returns a scalar loss or ``(loss,
+    aux)``; ``data`` yields this process's rows of each global batch as numpy dicts.
+    ``rules`` is the complete ordered rule list, as everywhere in jaxmp (default
+    ``rules.DEFAULT_RULES``; extend it with ``[*mine, *rules.DEFAULT_RULES]``); ``path_rules``
+    name the axes of parameters that carry no logical-name metadata. Both reach everything the
+    Trainer does: planning, costing, the step, the lint and the checkpoints.
 
     The mesh: the config's, or — when ``[mesh]`` is all ``auto`` — the planner's. The plan is
     ``plan`` if given, else made here from ``cost`` (a :class:`~jaxmp.cost.ModelCost` or a
@@ -67,11 +70,12 @@ class Trainer:
         self.flops_per_token = model_flops_per_token
         self.example_batch = example_batch
         self.extensions = dict(extensions or {})
-        self.rules = tuple(rules or ()) + tuple(sharding.DEFAULT_RULES)
+        self.rules = sharding.normalize_rules(sharding.DEFAULT_RULES if rules is None
+                                              else rules)
         devices = list(devices if devices is not None else jax.devices())
         self.plan = plan if plan is not None else plan_model(
             config, len(devices), model_fn, loss_fn, cost=cost, example_batch=example_batch,
-            rules=self.rules)
+            rules=self.rules, path_rules=path_rules)
         self.mesh = mesh_for(config, devices, self.plan)
         self.is_main = jax.process_index() == 0
         self.tx = make_optimizer(config.optimizer, config.train.steps)
@@ -92,17 +96,20 @@ class Trainer:
         if batch is None:
             raise ValueError("Trainer.compile needs a batch (or example_batch at construction)")
         step = make_train_step(self.layout, self.loss_fn, self.tx, self.schedule, batch,
-                               self.config.train.grad_accum, self.rules)
+                               self.config.train.grad_accum, self.rules, self.config.train.seed)
         return step.lower(self.layout.abstract, batch).compile()
 
     # -- set-up -------------------------------------------------------------------------------
-    def _write_run_files(self) -> None:
+    def lint(self) -> sharding.LintReport:
+        """How the params shard on this mesh with this Trainer's rules and path rules."""
+        return sharding.lint(self.layout.abstract.params, self.mesh, rules=self.rules,
+                             path_rules=self.path_rules)
+
+    def _write_run_files(self, lint: sharding.LintReport) -> None:
         if not self.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(self.run_dir / "config.toml", config_to_toml(self.config))
-        lint = sharding.lint(self.layout.abstract.params, self.mesh, rules=self.rules,
-                             path_rules=self.path_rules)
         plan = {"mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
                 "devices": self.mesh.size, "processes": jax.process_count(),
                 "param_bytes": tree_bytes(self.layout.abstract.params),
@@ -126,7 +133,8 @@ class Trainer:
         cfg, t = self.config, self.config.train
         if self.data is None:
             raise ValueError("this Trainer was built without data; it can compile, not fit")
-        self._write_run_files()
+        lint = self.lint()
+        self._write_run_files(lint)
         ckpt = TrainCheckpointer(self.run_dir, cfg, self.layout, self.path_rules)
         resumed = ckpt.restore() if self.state is None else None  # newest readable checkpoint
         if resumed is not None:
@@ -137,7 +145,7 @@ class Trainer:
         data_iter = resume_iterator(self.data, resumed)  # continues the stream after a resume
         batch = self._next_global(data_iter)
         step_fn = self.compile(batch)  # the same executable runs the steps and reports its cost
-        eval_fn = make_eval_step(self.layout, self.loss_fn, batch, self.rules) \
+        eval_fn = make_eval_step(self.layout, self.loss_fn, batch, self.rules, t.seed) \
             if self.eval_data is not None and t.eval_every > 0 else None
         tokens = int(np.prod(batch["inputs"].shape)) if "inputs" in batch else \
             int(jax.tree.leaves(batch)[0].shape[0])
@@ -149,6 +157,9 @@ class Trainer:
                          f"{self.mesh.devices.flat[0].platform} device(s); "
                          f"{fmt_bytes(tree_bytes(self.layout.abstract.params))} params; "
                          f"steps {start_step}..{t.steps}; run dir {self.run_dir}")
+        progress.message(f"jaxmp: params {lint.summary()}")
+        if lint.warning():
+            say(f"jaxmp: warning: {lint.warning()}")
         profile = Profiler(cfg.logging.profile_steps, self.run_dir, self.is_main)
         last_log, last_time, metrics = start_step, time.perf_counter(), {}
         preempt = Preemption().install()  # stop cleanly even with checkpoints off

@@ -22,15 +22,20 @@ from jaxmp.plan import Plan, plan_for_config
 
 def plan_model(config: TrainerConfig, n_devices: int, model_fn: Callable, loss_fn: Callable,
                *, cost: ModelCost | Callable[[], ModelCost] | None = None,
-               example_batch: Any = None, rules: Sequence | None = None) -> Plan | None:
-    """The plan for an all-``auto`` mesh, or None (explicit mesh, or nothing to cost from)."""
+               example_batch: Any = None, rules: Sequence | None = None,
+               path_rules: Sequence | None = None) -> Plan | None:
+    """The plan for an all-``auto`` mesh, or None (explicit mesh, or nothing to cost from).
+
+    The model is costed with the Trainer's ``path_rules`` and planned with its ``rules``, so the
+    plan's partition specs are the ones the step will use."""
     if not config.mesh.is_auto:
         return None
     start = time.perf_counter()
     if callable(cost):
         cost = cost()
     if cost is None and example_batch is not None:
-        cost = model_costs(model_fn, example_batch, loss_fn, policies=("none",))
+        cost = model_costs(model_fn, example_batch, loss_fn, policies=("none",),
+                           path_rules=path_rules)
     if cost is None:
         return None
     cost_time = time.perf_counter() - start

@@ -70,8 +70,9 @@ def plan_state(model_fn: ModelFn, tx: optax.GradientTransformation, mesh: Mesh,
                extensions: Mapping[str, Extension] | None = None) -> StateLayout:
     """Trace the model abstractly (no FLOPs, no memory) and derive the state's shardings."""
     extensions = dict(extensions or {})
-    graphdef, _, _ = _split(nnx.eval_shape(lambda: model_fn(nnx.Rngs(0))))
-    abstract = jax.eval_shape(lambda: _build(model_fn, tx, nnx.Rngs(0), extensions))
+    graphdef, _, _ = _split(sharding.abstract(lambda: model_fn(nnx.Rngs(0))))
+    with sharding.without_eager_sharding():
+        abstract = jax.eval_shape(lambda: _build(model_fn, tx, nnx.Rngs(0), extensions))
     shardings = sharding.shardings_for(abstract, mesh, rules=rules, path_rules=path_rules)
     return StateLayout(graphdef=graphdef, abstract=abstract, shardings=shardings, mesh=mesh)
 
@@ -85,7 +86,8 @@ def init_state(layout: StateLayout, model_fn: ModelFn, tx: optax.GradientTransfo
     init = jax.jit(lambda k: _build(model_fn, tx, nnx.Rngs(jax.random.wrap_key_data(k)),
                                     extensions),
                    in_shardings=replicated, out_shardings=layout.shardings)
-    return init(key)
+    with sharding.without_eager_sharding():  # traced here: the model is built inside
+        return init(key)
 
 
 def addressable_bytes(tree: Any) -> int:

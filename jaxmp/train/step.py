@@ -1,12 +1,17 @@
 """The train step: one ``jax.jit`` with explicit shardings and a donated state.
 
 XLA inserts every collective: parameters arrive sharded as the rules say, the batch arrives split
-over (data, fsdp), activations are pinned by logical name inside the model, and the outputs are
-pinned to the same shardings as the inputs, so GSPMD has no freedom to pick something worse.
+over (data, fsdp), activations are pinned by logical name inside the model (and, for models that
+name none, by their batch dim at layer boundaries: :mod:`jaxmp.train.pinning`), and the outputs
+are pinned to the same shardings as the inputs, so GSPMD has no freedom to pick something worse.
 
 Gradient accumulation runs *inside* the step with ``lax.scan`` over k microbatches rather than
 with ``optax.MultiSteps``: no parameter-sized accumulator lives in the optimizer state between
 steps, and one host call still makes one update.
+
+Randomness: a loss that takes a third argument, ``loss_fn(model, batch, rngs)``, gets a fresh
+``nnx.Rngs`` every step (and microbatch), derived from ``train.seed`` and the step counter held
+in the state — so dropout differs step to step, and a resumed run draws exactly the same keys.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmp import sharding
+from jaxmp.loss import LossFn, call_loss, split_loss
+from jaxmp.train.pinning import pin_batch, pinned_layers
 from jaxmp.train.state import StateLayout, TrainState
 
-LossFn = Callable[[nnx.Module, dict], Any]  # -> loss or (loss, aux)
 BATCH_NAMES = ("batch",)
+_TRAIN_STREAM, _EVAL_STREAM = 1, 2  # folded into the seed's key: never the init key
 
 
 def batch_spec(mesh: Any, rules: Sequence, rows: int) -> PartitionSpec:
@@ -37,39 +44,44 @@ def batch_sharding(layout: StateLayout, rules: Sequence, batch: dict) -> dict:
             for k, v in batch.items()}
 
 
-def _split_loss(out: Any) -> tuple[jax.Array, dict]:
-    loss, aux = out if isinstance(out, tuple) else (out, {})
-    return loss, dict(aux)
+def step_key(seed: int, step: jax.Array | int, stream: int = _TRAIN_STREAM) -> jax.Array:
+    """The key of one step: a function of the seed and the step only (bitwise resume)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), step)
 
 
 def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
                  rules: Sequence = sharding.DEFAULT_RULES) -> Callable:
-    """``(params, rest, batch) -> (loss, grads, rest, aux)``, averaged over microbatches.
+    """``(params, rest, batch, key=None) -> (loss, grads, rest, aux)``, averaged over
+    microbatches (microbatch j uses ``fold_in(key, j)``).
 
     Microbatches are weighted by ``aux["weight"]`` when the loss provides it (token counts), so
     the accumulated step equals the full-batch step even when masks differ between them.
     """
-    graphdef = layout.graphdef
+    graphdef, mesh = layout.graphdef, layout.mesh
 
-    def loss_of(params: Any, rest: Any, batch: dict) -> tuple[jax.Array, tuple]:
+    def loss_of(params: Any, rest: Any, batch: dict, key: jax.Array) -> tuple[jax.Array, tuple]:
         model = nnx.merge(graphdef, params, rest, copy=True)
-        loss, aux = _split_loss(loss_fn(model, batch))
+        rows = int(jax.tree.leaves(batch)[0].shape[0])
+        batch = pin_batch(batch, rows, mesh, rules)
+        with pinned_layers(model, rows, mesh, rules):
+            loss, aux = split_loss(call_loss(loss_fn, model, batch, key))
         weight = aux.pop("weight", jnp.float32(1.0))
         _, _, new_rest = nnx.split(model, nnx.Param, ...)
         return loss * weight, (weight, new_rest, aux)
 
     value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
 
-    def micro(params: Any, rest: Any, batch: dict) -> tuple:
-        (wloss, (weight, rest, aux)), grads = value_and_grad(params, rest, batch)
+    def micro(params: Any, rest: Any, batch: dict, key: jax.Array) -> tuple:
+        (wloss, (weight, rest, aux)), grads = value_and_grad(params, rest, batch, key)
         return wloss, weight, grads, rest, aux
 
-    def grad_fn(params: Any, rest: Any, batch: dict) -> tuple:
+    def grad_fn(params: Any, rest: Any, batch: dict, key: jax.Array | None = None) -> tuple:
+        key = jax.random.key(0) if key is None else key
         with sharding.activation_sharding(layout.mesh, rules):
             if grad_accum == 1:
-                wloss, weight, grads, rest, aux = micro(params, rest, batch)
+                wloss, weight, grads, rest, aux = micro(params, rest, batch, key)
             else:
-                wloss, weight, grads, rest, aux = _accumulate(micro, params, rest, batch,
+                wloss, weight, grads, rest, aux = _accumulate(micro, params, rest, batch, key,
                                                               grad_accum)
             scale = 1.0 / jnp.maximum(weight, 1e-12)
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
@@ -78,7 +90,8 @@ def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
     return grad_fn
 
 
-def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, k: int) -> tuple:
+def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, key: jax.Array,
+                k: int) -> tuple:
     """Sum weighted losses and gradients over k microbatches with ``lax.scan``.
 
     Microbatch j takes rows j, j+k, j+2k, ... so that every device keeps contributing to every
@@ -95,25 +108,27 @@ def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, k: int) ->
     micro_batches = jax.tree.map(split, batch)
     zeros = jax.tree.map(jnp.zeros_like, params)
 
-    def body(carry: tuple, mb: dict) -> tuple:
+    def body(carry: tuple, xs: tuple) -> tuple:
         loss_sum, w_sum, g_sum, rest = carry
-        wloss, weight, grads, rest, aux = micro(params, rest, mb)
+        mb, j = xs
+        wloss, weight, grads, rest, aux = micro(params, rest, mb, jax.random.fold_in(key, j))
         g_sum = jax.tree.map(jnp.add, g_sum, grads)
         return (loss_sum + wloss, w_sum + weight, g_sum, rest), aux
 
     init = (jnp.float32(0.0), jnp.float32(0.0), zeros, rest)
-    (loss, weight, grads, rest), aux = jax.lax.scan(body, init, micro_batches)
+    (loss, weight, grads, rest), aux = jax.lax.scan(body, init, (micro_batches, jnp.arange(k)))
     return loss, weight, grads, rest, jax.tree.map(lambda a: a.mean(0), aux)
 
 
 def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, example_batch: dict, grad_accum: int = 1,
-                    rules: Sequence = sharding.DEFAULT_RULES) -> Callable:
+                    rules: Sequence = sharding.DEFAULT_RULES, seed: int = 0) -> Callable:
     """Return the jitted ``step(state, batch) -> (state, metrics)`` with donated state."""
     grad_fn = make_grad_fn(layout, loss_fn, grad_accum, rules)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        loss, grads, rest, aux = grad_fn(state.params, state.rest, batch)
+        key = step_key(seed, state.step)
+        loss, grads, rest, aux = grad_fn(state.params, state.rest, batch, key)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
@@ -128,14 +143,19 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
 
 
 def make_eval_step(layout: StateLayout, loss_fn: LossFn, example_batch: dict,
-                   rules: Sequence = sharding.DEFAULT_RULES) -> Callable:
-    """Return the jitted ``eval(state, batch) -> loss`` (no gradients, no state change)."""
+                   rules: Sequence = sharding.DEFAULT_RULES, seed: int = 0) -> Callable:
+    """Return the jitted ``eval(state, batch) -> loss``: no gradients, no state change, the
+    model in evaluation mode (``nnx.Module.eval()``: dropout off)."""
 
     def evaluate(state: TrainState, batch: dict) -> jax.Array:
         with sharding.activation_sharding(layout.mesh, rules):
             model = nnx.merge(layout.graphdef, state.params, state.rest, copy=True)
-            loss, _ = _split_loss(loss_fn(model, batch))
-            return loss
+            model.eval()
+            rows = int(jax.tree.leaves(batch)[0].shape[0])
+            with pinned_layers(model, rows, layout.mesh, rules):
+                out = call_loss(loss_fn, model, pin_batch(batch, rows, layout.mesh, rules),
+                                step_key(seed, 0, _EVAL_STREAM))
+            return split_loss(out)[0]
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     batch_in = batch_sharding(layout, rules, example_batch)

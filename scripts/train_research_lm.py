@@ -28,20 +28,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+if __name__ == "__main__":  # --devices N simulated CPU devices, set before jax starts
+    from jaxmp._util.env import simulate_devices_from_argv
 
-def _simulate_devices(argv: list[str]) -> None:
-    """``--devices N`` (default 8) CPU devices; XLA reads this when jax starts, so do it first."""
-    from jaxmp._util.env import simulate_devices
-
-    early = argparse.ArgumentParser(add_help=False)
-    early.add_argument("--devices", type=int, default=8)
-    n = early.parse_known_args(argv)[0].devices
-    if n > 0:
-        simulate_devices(n)
-
-
-if __name__ == "__main__":
-    _simulate_devices(sys.argv[1:])
+    simulate_devices_from_argv(sys.argv[1:])
 
 from dataclasses import dataclass  # noqa: E402
 

@@ -48,3 +48,15 @@ def simulate_devices(n: int) -> None:
     jax = sys.modules.get("jax")
     if jax is not None:  # imported but not started: it read JAX_PLATFORMS already
         jax.config.update("jax_platforms", "cpu")
+
+
+def simulate_devices_from_argv(argv: list[str], default: int = 8) -> None:
+    """For example scripts: ``--devices N`` (default ``default``) simulated CPU devices, read
+    from ``argv`` before jax starts; ``--devices 0`` keeps the real devices."""
+    import argparse
+
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--devices", type=int, default=default)
+    n = early.parse_known_args(argv)[0].devices
+    if n > 0:
+        simulate_devices(n)

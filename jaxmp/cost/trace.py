@@ -121,31 +121,9 @@ def _resolve(model: Any, name: str) -> Any:
 
 
 @contextlib.contextmanager
-def around_layers(model: Any, around: Callable[[Callable, tuple, dict], Any]) -> Iterator[None]:
-    """While inside, each outermost call of one of ``model``'s top-level layers (layer stacks
-    excepted) runs as ``around(call, args, kwargs)`` instead of ``call(*args, **kwargs)``.
-
-    ``model`` is the instance that will run (e.g. a merged copy being traced); the layers'
-    classes are patched for the duration only.
-    """
-    specs = [s for s in find_layers(model) if not s.stack]
-    live = {id(_resolve(model, s.name)) for s in specs}
-    classes = {type(s.module) for s in specs}
-    depth = [0]
+def _patched_calls(classes: set[type], wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Replace each class's ``__call__`` with ``wrap(__call__)`` while inside; restore after."""
     saved: dict[type, Any] = {}
-
-    def wrap(orig: Callable) -> Callable:
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if depth[0] or id(self) not in live:
-                return orig(self, *args, **kwargs)
-            depth[0] += 1
-            try:
-                return around(lambda *a, **k: orig(self, *a, **k), args, kwargs)
-            finally:
-                depth[0] -= 1
-
-        return call
-
     try:
         for cls in classes:
             saved[cls] = cls.__dict__.get("__call__")
@@ -160,6 +138,35 @@ def around_layers(model: Any, around: Callable[[Callable, tuple, dict], Any]) ->
 
 
 @contextlib.contextmanager
+def around_layers(model: Any, around: Callable[[Callable, tuple, dict], Any]) -> Iterator[None]:
+    """While inside, each outermost call of one of ``model``'s top-level layers (layer stacks
+    excepted) runs as ``around(call, args, kwargs)`` instead of ``call(*args, **kwargs)``.
+
+    ``model`` is the instance that will run (e.g. a merged copy being traced); the layers'
+    classes are patched for the duration only.
+    """
+    specs = [s for s in find_layers(model) if not s.stack]
+    live = {id(_resolve(model, s.name)) for s in specs}
+    classes = {type(s.module) for s in specs}
+    depth = [0]
+
+    def wrap(orig: Callable) -> Callable:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if depth[0] or id(self) not in live:
+                return orig(self, *args, **kwargs)
+            depth[0] += 1
+            try:
+                return around(lambda *a, **k: orig(self, *a, **k), args, kwargs)
+            finally:
+                depth[0] -= 1
+
+        return call
+
+    with _patched_calls(classes, wrap):
+        yield
+
+
+@contextlib.contextmanager
 def recording(model: Any, specs: list[LayerSpec], rec: Recording) -> Iterator[None]:
     """Wrap the layer classes' ``__call__`` while ``model`` (a merged, traced copy) runs."""
     live = {id(_resolve(model, s.name)): s for s in specs if not s.stack}
@@ -170,7 +177,6 @@ def recording(model: Any, specs: list[LayerSpec], rec: Recording) -> Iterator[No
             stacks.setdefault(type(s.module), []).append((s, shapes))
     stack_objs = {id(_resolve(model, s.name)) for s in specs if s.stack}
     classes = {type(s.module) for s in specs}
-    saved: dict[type, Any] = {}
 
     def match(obj: Any) -> LayerSpec | None:
         if id(obj) in live:
@@ -203,17 +209,8 @@ def recording(model: Any, specs: list[LayerSpec], rec: Recording) -> Iterator[No
 
         return call
 
-    try:
-        for cls in classes:
-            saved[cls] = cls.__dict__.get("__call__")
-            cls.__call__ = wrap(cls.__call__)
+    with _patched_calls(classes, wrap):
         yield
-    finally:
-        for cls, orig in saved.items():
-            if orig is None:
-                del cls.__call__
-            else:
-                cls.__call__ = orig
 
 
 def scalar_loss(out: Any) -> Any:

@@ -19,6 +19,7 @@ from jaxmp.errors import DataError
 
 FORMAT = "jaxmp.prepared/1"
 META, TOKENIZER = "meta.json", "tokenizer.json"
+RUN_META = "data_meta.json"  # a run directory's copy of its prepared folder's meta.json
 BINS = {"train": "train.bin", "eval": "val.bin"}  # the data splits' files
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 VOCAB_MULTIPLE = 64  # an unspecified model.vocab_size is the tokenizer's, rounded up to this

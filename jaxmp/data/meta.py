@@ -21,6 +21,7 @@ FORMAT = "jaxmp.prepared/1"
 META, TOKENIZER = "meta.json", "tokenizer.json"
 RUN_META = "data_meta.json"  # a run directory's copy of its prepared folder's meta.json
 BINS = {"train": "train.bin", "eval": "val.bin"}  # the data splits' files
+COUNTS = {"train": "train_tokens", "eval": "val_tokens"}  # their token counts in meta.json
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 VOCAB_MULTIPLE = 64  # an unspecified model.vocab_size is the tokenizer's, rounded up to this
 
@@ -55,7 +56,7 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
         raise DataError(f"{path}: needs an integer vocab_size and a dtype in {', '.join(DTYPES)}")
     itemsize = DTYPES[meta["dtype"]].itemsize
     for split, name in BINS.items():
-        count = meta.get(f"{split}_tokens")
+        count = meta.get(COUNTS[split])
         size = (folder / name).stat().st_size if (folder / name).is_file() else None
         if size != (count or 0) * itemsize:
             raise DataError(f"{folder / name} has {size} bytes but {META} says "

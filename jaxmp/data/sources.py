@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxmp.data.meta import BINS, DTYPES, read_meta
+from jaxmp.data.meta import BINS, COUNTS, DTYPES, read_meta
 from jaxmp.data.stdlib import STDLIB_VOCAB, build_stdlib_corpus
 from jaxmp.data.tokens import ArrayTokens, SyntheticTokens, Tokens, stable_hash
 from jaxmp.errors import DataError
@@ -118,10 +118,10 @@ def _open_prepared(folder: Path, split: str, vocab_size: int) -> ArrayTokens:
         raise DataError(f"model.vocab_size {vocab_size} is smaller than the tokenizer's "
                         f"{meta['vocab_size']} tokens in {folder / 'meta.json'}")
     path, dtype = folder / BINS[split], meta["dtype"]
-    if meta[f"{split}_tokens"] < 2:
+    if meta[COUNTS[split]] < 2:
         fix = ("set train.eval_every=0 or prepare with a larger --val-fraction" if split == "eval"
                else "prepare more text")
-        raise DataError(f"{path} has {meta[f'{split}_tokens']} tokens, too few to use; {fix}")
+        raise DataError(f"{path} has {meta[COUNTS[split]]} tokens, too few to use; {fix}")
     digest = _check_bin(path, vocab_size, dtype)
     return ArrayTokens(np.memmap(path, dtype=DTYPES[dtype], mode="r"),
                        f"prepared:{dtype}:{digest}:{split}", str(path))

@@ -134,6 +134,11 @@ class Codec:
         sep = meta.get("separator")
         return cls(load_tokenizer(Path(folder) / TOKENIZER), sep["id"] if sep else None)
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce (a model's vocabulary may be padded past it)."""
+        return self.tokenizer.get_vocab_size() if self.tokenizer else BYTE_VOCAB
+
     def encode(self, text: str) -> list[int]:
         """Ids of ``text``; DataError naming the characters the tokenizer cannot encode."""
         if self.tokenizer is None:

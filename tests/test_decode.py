@@ -85,3 +85,18 @@ def test_sampler_restores_on_any_device_count(saved_run, model, n_devices):
     expected = generate(model, jnp.asarray([list(b"def ")] * 2), jax.random.key(0), 12,
                         temperature=0)
     assert texts[0] == texts[1] == "def " + sampler.text(np.asarray(expected[0]).tolist())
+
+
+def test_sample_bad_inputs_are_one_clear_line(saved_run, tmp_path, capsys):
+    from jaxmp.cli import main
+
+    cases = [([str(tmp_path)], "no complete checkpoint"),
+             ([str(saved_run), "--step", "3"], "no checkpoint for step 3"),
+             ([str(saved_run), "--top-k", "0"], "--top-k"),
+             ([str(saved_run), "--tokens", "0"], "--tokens"),
+             ([str(saved_run), "--temperature", "-1"], "--temperature")]
+    for args, needle in cases:
+        capsys.readouterr()
+        assert main(["sample", *args]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and needle in err, err

@@ -140,22 +140,21 @@ class Codec:
         return self.tokenizer.get_vocab_size() if self.tokenizer else BYTE_VOCAB
 
     def encode(self, text: str) -> list[int]:
-        """Ids of ``text``; DataError naming the characters the tokenizer cannot encode."""
+        """Ids of ``text``; DataError naming the parts the tokenizer cannot encode (an unknown
+        token, or characters it drops). Byte-level tokenizers encode everything."""
         if self.tokenizer is None:
             return list(text.encode("utf-8"))
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
         unk = getattr(self.tokenizer.model, "unk_token", None)
         unk_id = self.tokenizer.token_to_id(unk) if unk else None
-        if unk_id in ids or self.decode(ids) != text:
-            bad = [c for c in dict.fromkeys(text) if not c.isspace() and self._lost(c, unk_id)]
-            if bad:
-                raise DataError(f"--prompt: the run's tokenizer cannot encode "
-                                f"{''.join(bad)[:20]!r} (it has no byte fallback)")
-        return ids
-
-    def _lost(self, char: str, unk_id: int | None) -> bool:
-        ids = self.tokenizer.encode(char, add_special_tokens=False).ids
-        return not ids or unk_id in ids
+        bad = [text[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i == unk_id]
+        if not bad and self.decode(enc.ids) != text:  # dropped, or only normalised?
+            covered = {k for a, b in enc.offsets for k in range(a, b)}
+            bad = [c for k, c in enumerate(text) if k not in covered and not c.isspace()]
+        if bad:
+            raise DataError(f"--prompt: the run's tokenizer cannot encode "
+                            f"{' '.join(dict.fromkeys(bad))[:40]!r} (it has no byte fallback)")
+        return enc.ids
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = list(ids)

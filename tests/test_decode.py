@@ -100,3 +100,13 @@ def test_sample_bad_inputs_are_one_clear_line(saved_run, tmp_path, capsys):
         assert main(["sample", *args]) == 2, args
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and needle in err, err
+
+
+def test_relative_paths_restore(saved_run, monkeypatch):
+    """Orbax refuses relative paths; `jaxmp sample runs/x` (and resuming `--run-dir runs/x`)
+    must not read a good checkpoint as damaged."""
+    monkeypatch.chdir(saved_run.parent)
+    params = checkpoint.restore(saved_run.name)
+    assert params["embed"].shape == (256, 64)
+    assert Sampler.load(saved_run.name).step == 5
+    assert (saved_run / "checkpoints" / "5").is_dir()  # not set aside as damaged

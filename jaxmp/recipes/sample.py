@@ -21,6 +21,7 @@ from flax import nnx
 from jaxmp import checkpoint
 from jaxmp._util.log import say
 from jaxmp.checkpoint import store
+from jaxmp.data.meta import TOKENIZER
 from jaxmp.data.tokenizer import EOT, Codec
 from jaxmp.errors import CheckpointError, ConfigError, DataError
 from jaxmp.mesh import make_mesh
@@ -60,8 +61,13 @@ class Sampler:
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"checkpoint {ckdir / str(step)} does not hold the GPT of its "
                                   f"config: {' '.join(str(e).split())[:200]}") from None
-        seq_len = config.get("data", {}).get("seq_len")
-        return cls(nnx.merge(graphdef, state), Codec.for_run(run_dir), step, seq_len)
+        codec, data = Codec.for_run(run_dir), config.get("data", {})
+        if codec.tokenizer is None and cfg.vocab_size > codec.vocab_size and \
+                str(data.get("source", "")).endswith(".bin"):
+            raise DataError(f"{run_dir} has no {TOKENIZER} and its model (vocab {cfg.vocab_size},"
+                            f" trained on {data['source']}) is not byte-level: copy the "
+                            f"tokenizer.json that made the .bin file into {run_dir}")
+        return cls(nnx.merge(graphdef, state), codec, step, data.get("seq_len"))
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The prompt's ids; an empty prompt starts at a document boundary."""

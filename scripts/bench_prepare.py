@@ -109,7 +109,7 @@ def main() -> None:
             secs = [r["seconds"] for r in rs]
             med, r0 = statistics.median(secs), rs[0]
             wall = statistics.median(r["wall"] for r in rs)
-            print(f"| {size / 1e6:.1f} MB | {name} | {med:.1f} ({min(secs):.1f}–{max(secs):.1f})"
+            print(f"| {size / 1e6:.1f} MB | {name} | {med:.3g} ({min(secs):.3g}–{max(secs):.3g})"
                   f" | {wall:.1f} | {r0['tokens']:,} | {r0['tokens'] / med:,.0f} | {size / 1e6 / med:.1f} | "
                   f"{max(r['rss'] for r in rs) / 2**20:.0f} MiB |", flush=True)
 

@@ -21,8 +21,9 @@ MESHES = {"data8": {"data": 8}, "fsdp8": {"fsdp": 8}, "tensor8": {"tensor": 8},
 
 def megatron_flops(config) -> tuple[float, float]:
     """(Megatron's formula, our cost model) training FLOPs per step for a GPT config."""
-    from jaxmp.recipes.gpt import gpt_costs
+    from jaxmp.recipes.gpt import gpt_costs, resolve_data
 
+    config = resolve_data(config)  # model.vocab_size 0 means "from the data"
     m = config.model
     b, s, h, n, v = (config.train.batch_size, config.data.seq_len, m.d_model, m.layers,
                      m.vocab_size)

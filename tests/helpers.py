@@ -1,5 +1,8 @@
-"""Shared test fixtures: a tiny GPT whose dims divide by 8, and a single-device reference."""
+"""Shared test fixtures: a tiny GPT whose dims divide by 8, a single-device reference, and a
+small generated text corpus."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -42,3 +45,19 @@ def step_collectives(axes: dict, cfg: GPTConfig = TINY, batch: int = 16):
     step = make_train_step(layout, lm_loss, tx, sched, example)
     stats = collective_stats(step.lower(layout.abstract, example).compile())
     return stats, tree_bytes(layout.abstract.params)
+
+
+WORDS = ("the model shards its parameters over a mesh of devices while the loss falls "
+         "überall naïve café 東京 🙂 tokens").split()
+
+
+def write_corpus(root: Path, files: int = 6, lines: int = 60, seed: int = 0) -> Path:
+    """Small text files: unicode, CRLF, blank lines, a file without a final newline."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        rows = [" ".join(rng.choice(WORDS, rng.integers(0, 12))) for _ in range(lines)]
+        end = "\r\n" if f == 1 else "\n"
+        text = end.join(rows) + ("" if f == 2 else end)
+        (root / f"doc{f}.txt").write_text(text, encoding="utf-8", newline="")
+    return root

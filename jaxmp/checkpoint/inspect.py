@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import jax
 from jax.experimental import multihost_utils
@@ -119,6 +119,39 @@ def inspect_table(report: Mapping[str, Any]) -> str:
     return head + "\n" + "\n".join(table(rows[0], rows[1:], indent=""))
 
 
+def write_safetensors(out: str | os.PathLike,
+                      tensors: Sequence[tuple[str, str, Sequence[int]]],
+                      arrays: Iterable[np.ndarray], metadata: Mapping[str, str]) -> int:
+    """Stream ``arrays`` into a ``.safetensors`` file (atomically); returns the data bytes.
+
+    ``tensors``: ``(name, numpy dtype name, shape)`` of each array, in the order ``arrays``
+    yields them (an iterator, so only one array need be in memory at a time).
+    """
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, dtype, shape in tensors:
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{name}: dtype {dtype} has no safetensors equivalent")
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = dict(metadata)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+
+    def chunks() -> Iterator[bytes]:
+        yield len(blob).to_bytes(8, "little") + blob
+        for (name, dtype, shape), a in zip(tensors, arrays, strict=True):
+            if a.dtype != np.dtype(dtype) or list(a.shape) != list(shape):
+                raise RuntimeError(f"{name}: got {a.dtype}{list(a.shape)}, "
+                                   f"announced {dtype}{list(shape)}")
+            yield _le_bytes(a).tobytes()
+
+    atomic_write(out, chunks())
+    return offset
+
+
 def export_safetensors(path: str | os.PathLike, out: str | os.PathLike, step: int | None = None,
                        what: str = "params") -> dict[str, Any]:
     """Write one single-host ``.safetensors`` file, streaming one array at a time.
@@ -135,24 +168,9 @@ def export_safetensors(path: str | os.PathLike, out: str | os.PathLike, step: in
     elif what not in ("params", "state"):
         raise CheckpointError(f"export what= must be 'params' or 'state', got {what!r}")
     chosen = {p: r for p, r in records.items() if p.startswith(prefix)}
-    header: dict[str, Any] = {}
-    offset = 0
-    for p, rec in chosen.items():
-        if rec["dtype"] not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{p}: dtype {rec['dtype']} has no safetensors equivalent")
-        header[p[len(prefix):]] = {"dtype": _SAFETENSORS_DTYPES[rec["dtype"]],
-                                   "shape": rec["shape"],
-                                   "data_offsets": [offset, offset + rec["bytes"]]}
-        offset += rec["bytes"]
-    header["__metadata__"] = {"format": "pt", "jaxmp_step": str(step), "logical_names": json.dumps(
+    metadata = {"format": "pt", "jaxmp_step": str(step), "logical_names": json.dumps(
         {p[len(prefix):]: r.get("names") for p, r in chosen.items()})}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-
-    def chunks() -> Iterator[bytes]:
-        yield len(blob).to_bytes(8, "little") + blob
-        for p, rec in chosen.items():
-            yield _le_bytes(store.read_numpy(step_dir, p, rec)).tobytes()
-
-    atomic_write(out, chunks())
-    return {"step": step, "out": str(out), "arrays": len(chosen), "bytes": offset}
+    size = write_safetensors(
+        out, [(p[len(prefix):], r["dtype"], r["shape"]) for p, r in chosen.items()],
+        (store.read_numpy(step_dir, p, r) for p, r in chosen.items()), metadata)
+    return {"step": step, "out": str(out), "arrays": len(chosen), "bytes": size}

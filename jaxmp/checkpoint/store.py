@@ -197,7 +197,7 @@ def read_json(step_dir: Path, item: str, missing_ok: bool = False) -> Any:
             return None
         raise DamagedCheckpoint(f"checkpoint {step_dir} has no '{item}' item")
     try:
-        return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / item)
+        return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore((step_dir / item).absolute())
     except Exception as e:  # noqa: BLE001 - Orbax/tensorstore raise many types for bad files
         raise DamagedCheckpoint(f"checkpoint {step_dir}: cannot read '{item}': {_one_line(e)}") \
             from None
@@ -234,8 +234,8 @@ def read_numpy(step_dir: Path, path: str, record: Mapping[str, Any]) -> np.ndarr
 
 def _restore(step_dir: Path, target: Any, restore_args: Any) -> dict[str, Any]:
     try:
-        return ocp.PyTreeCheckpointer().restore(
-            step_dir / "state", args=ocp.args.PyTreeRestore(
+        return ocp.PyTreeCheckpointer().restore(  # Orbax refuses relative paths
+            (step_dir / "state").absolute(), args=ocp.args.PyTreeRestore(
                 item=target, restore_args=restore_args, partial_restore=True))
     except Exception as e:  # noqa: BLE001
         raise DamagedCheckpoint(f"checkpoint {step_dir} is damaged or unreadable: "

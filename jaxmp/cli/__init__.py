@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from jaxmp.cli import ckpt, plan, train
+from jaxmp.cli import ckpt, data, plan, sample, train
 from jaxmp.errors import BadInput
 
 EXIT_BAD_INPUT = 2
@@ -23,7 +23,7 @@ EXIT_FAILURE = 1
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxmp", description="A sharded trainer for JAX/Flax.")
     sub = p.add_subparsers(dest="command", required=True)
-    for module in (train, plan, ckpt):
+    for module in (train, plan, ckpt, data, sample):
         module.add_parser(sub)
     return p
 

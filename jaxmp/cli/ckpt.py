@@ -1,5 +1,5 @@
 """``jaxmp ckpt list|inspect|export``: argument parsing only; the work is in
-:mod:`jaxmp.checkpoint.inspect`.
+:mod:`jaxmp.checkpoint.inspect` and (``export --format llama``) :mod:`jaxmp.checkpoint.llama`.
 
 Importing this module does not import jax (the CLI builds its parser before the backend is
 configured). Command functions return an exit code; bad input raises ``CheckpointError`` (a
@@ -36,10 +36,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="sha256 of each array's full value (little-endian, C order)")
     ins.set_defaults(func=cmd_inspect)
 
-    ex = sub.add_parser("export", help="write one single-host .safetensors file")
+    ex = sub.add_parser("export", help="write one single-host .safetensors file, or a Hugging "
+                                       "Face Llama folder")
     ex.add_argument("dir", metavar="RUN_OR_CKPT_DIR")
     ex.add_argument("--step", type=int, default=None, help="default: latest complete step")
-    ex.add_argument("--out", required=True, metavar="FILE.safetensors")
+    ex.add_argument("--out", required=True, metavar="FILE.safetensors|DIR",
+                    help="the .safetensors file; with --format llama, a folder")
+    ex.add_argument("--format", choices=("safetensors", "llama"), default="safetensors",
+                    help="jaxmp's own names (default), or HF Llama's model.safetensors + "
+                         "config.json (a GPT with swiglu and an untied head)")
     ex.add_argument("--what", choices=("params", "state"), default="params",
                     help="params only (default) or every array, optimizer state included")
     ex.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -77,11 +82,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     _quiet_orbax()
     from jaxmp.checkpoint import inspect as tools
+    from jaxmp.checkpoint.llama import export_llama
+    from jaxmp.errors import UsageError
 
-    summary = tools.export_safetensors(args.dir, args.out, args.step, what=args.what)
+    if args.format == "llama":
+        if args.what != "params":
+            raise UsageError("--format llama exports params only (drop --what state)")
+        summary = export_llama(args.dir, args.out, args.step)
+        count = f"{summary['tensors']} Llama tensors"
+    else:
+        summary = tools.export_safetensors(args.dir, args.out, args.step, what=args.what)
+        count = f"{summary['arrays']} arrays"
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"jaxmp: wrote {summary['arrays']} arrays ({fmt_bytes(summary['bytes'])}) of "
-              f"step {summary['step']} to {summary['out']}", file=sys.stderr)
+        print(f"jaxmp: wrote {count} ({fmt_bytes(summary['bytes'])}) of step {summary['step']} "
+              f"to {summary['out']}", file=sys.stderr)
     return 0

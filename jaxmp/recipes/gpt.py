@@ -12,26 +12,66 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmp._util.io import atomic_write
+from jaxmp.config import replace
 from jaxmp.cost import REMAT_POLICIES, ModelCost, model_costs
-from jaxmp.data import BatchIterator, make_batches
+from jaxmp.data import STDLIB_VOCAB, BatchIterator, make_batches, padded_vocab, read_meta
+from jaxmp.data.meta import META, RUN_META, TOKENIZER
+from jaxmp.errors import ConfigError
 from jaxmp.models import GPT, GPTConfig, lm_loss
 from jaxmp.plan import Plan, plan_for_config
-from jaxmp.recipes.gpt_config import Config
+from jaxmp.recipes.gpt_config import Config, ModelConfig
 from jaxmp.train import Trainer
 
 
-def gpt_config(config: Config) -> GPTConfig:
-    """The ``[model]`` section as the model's own GPTConfig: each field by name, with the
+def prepared_folder(config: Config) -> Path | None:
+    """``data.source`` as a ``jaxmp data prepare`` folder, or None for the other sources."""
+    source = config.data.source
+    return Path(source) if source not in ("stdlib", "synthetic") and Path(source).is_dir() \
+        else None
+
+
+def resolve_data(config: Config) -> Config:
+    """The config with what the data decides filled in (idempotent).
+
+    ``model.vocab_size`` 0 means "from the data": 256 (bytes) for stdlib, synthetic and .bin
+    sources; for a prepared folder, its tokenizer's size from ``meta.json`` rounded up to a
+    multiple of 64 (even matmul tiles and shards; the extra ids are never sampled). A configured
+    size is kept if it holds the tokenizer's ids and is bad input if it does not. A prepared
+    folder also sets ``data.token_dtype`` from its ``meta.json``.
+    """
+    vocab, folder = config.model.vocab_size, prepared_folder(config)
+    if folder is None:
+        return config if vocab else replace(config, model={"vocab_size": STDLIB_VOCAB})
+    meta = read_meta(folder)
+    need = meta["vocab_size"]
+    if vocab and vocab < need:
+        raise ConfigError(f"model.vocab_size: {vocab} is smaller than the {need} tokens of the "
+                          f"tokenizer in {folder / META} (set it >= {need}, or 0 for "
+                          f"{padded_vocab(need)})")
+    return replace(config, model={"vocab_size": vocab or padded_vocab(need)},
+                   data={"token_dtype": meta["dtype"]})
+
+
+def model_gpt_config(m: ModelConfig) -> GPTConfig:
+    """A ``[model]`` section as the model's own GPTConfig: each field by name, with the
     section's ``resolved_*`` value where it derives one (zeros mean "derive it")."""
-    m = config.model
+    if not m.vocab_size:
+        raise ConfigError("model.vocab_size: 0 ('from the data') has no data to come from here")
     return GPTConfig(**{f.name: getattr(m, f"resolved_{f.name}", getattr(m, f.name))
                         for f in dataclasses.fields(GPTConfig)})
+
+
+def gpt_config(config: Config) -> GPTConfig:
+    """The model of a GPT config, its vocabulary resolved against the data."""
+    return model_gpt_config(resolve_data(config).model)
 
 
 def gpt_model_fn(config: Config) -> Callable[[nnx.Rngs], GPT]:
@@ -47,6 +87,7 @@ def example_batch(config: Config) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def lm_batches(config: Config, split: str = "train", seed_offset: int = 0) -> BatchIterator:
+    config = resolve_data(config)
     d, t = config.data, config.train
     return make_batches(d.source, seq_len=d.seq_len, global_batch=t.batch_size,
                         seed=t.seed + seed_offset, vocab_size=config.model.vocab_size,
@@ -93,14 +134,29 @@ def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,
     """A Trainer for the configured GPT on the configured token source.
 
     ``with_data=False`` builds one that can compile its step (``jaxmp plan --verify``,
-    ``jaxmp bench``) without opening the token source.
+    ``jaxmp bench``) without opening the token source. Training on a prepared folder copies its
+    tokenizer into ``run_dir``, so the run samples on its own (``jaxmp sample``).
     """
+    config = resolve_data(config)
     eval_data = None
     if with_data and config.train.eval_every > 0 and config.data.source != "synthetic":
         eval_data = lambda: lm_batches(config, split="eval")  # noqa: E731 - fresh, same batches
+        eval_data()  # a split too short for one batch is bad input now, not at the first eval
+    if with_data:
+        copy_tokenizer(config, run_dir)
     return Trainer(config, gpt_model_fn(config), lm_loss,
                    lm_batches(config) if with_data else None, run_dir=run_dir,
                    eval_data=eval_data, devices=devices, plan=plan,
                    cost=lambda: gpt_costs(config, (config.model.remat,)),
                    example_batch=example_batch(config),
                    model_flops_per_token=gpt_config(config).flops_per_token(config.data.seq_len))
+
+
+def copy_tokenizer(config: Config, run_dir: str | os.PathLike) -> None:
+    """Copy a prepared folder's ``tokenizer.json`` and ``meta.json`` into the run directory."""
+    folder = prepared_folder(config)
+    if folder is None or jax.process_index() != 0:
+        return
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    for src, dest in ((TOKENIZER, TOKENIZER), (META, RUN_META)):
+        atomic_write(Path(run_dir) / dest, (folder / src).read_bytes())

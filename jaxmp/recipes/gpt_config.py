@@ -20,7 +20,8 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 @dataclass(frozen=True)
 class ModelConfig(Section):
-    """Decoder-only transformer shape; 0 in kv_heads / head_dim / mlp_dim means "derive it"."""
+    """Decoder-only transformer shape; 0 in kv_heads / head_dim / mlp_dim means "derive it",
+    0 in vocab_size "from the data" (see :func:`jaxmp.recipes.gpt.resolve_data`)."""
 
     section: ClassVar[str] = "model"
     layers: int = bounded(4, ge=1)
@@ -29,7 +30,7 @@ class ModelConfig(Section):
     kv_heads: int = bounded(0, ge=0)
     head_dim: int = bounded(0, ge=0)
     mlp_dim: int = bounded(0, ge=0)
-    vocab_size: int = bounded(256, ge=2)
+    vocab_size: int = bounded(0, ge=0)
     activation: Literal["gelu", "swiglu"] = "gelu"
     tie_embeddings: bool = True
     scan_layers: bool = True
@@ -40,6 +41,8 @@ class ModelConfig(Section):
     init_std: float = bounded(0.02, gt=0)
 
     def _validate(self) -> None:
+        require(self.vocab_size != 1, "model.vocab_size", "must be 0 (from the data) or >= 2",
+                self.vocab_size)
         if self.head_dim == 0:  # an explicit head_dim frees d_model from dividing by heads
             require(self.d_model % self.heads == 0, "model.d_model",
                      f"must be divisible by model.heads={self.heads}", self.d_model)
@@ -68,7 +71,8 @@ class ModelConfig(Section):
 
 @dataclass(frozen=True)
 class DataConfig(Section):
-    """Tokens from bundled stdlib text (bytes), a synthetic stream, or a flat .bin token file."""
+    """Tokens from bundled stdlib text (bytes), a synthetic stream, a flat .bin token file or a
+    folder written by ``jaxmp data prepare`` (whose meta.json sets the token dtype)."""
 
     section: ClassVar[str] = "data"
     source: str = "stdlib"
@@ -77,9 +81,10 @@ class DataConfig(Section):
     eval_fraction: float = bounded(0.01, ge=0, lt=0.5)
 
     def _validate(self) -> None:
-        require(self.source in ("stdlib", "synthetic") or self.source.endswith(".bin"),
-                 "data.source", "expected 'stdlib', 'synthetic' or a path ending in .bin",
-                 self.source)
+        require(self.source in ("stdlib", "synthetic") or self.source.endswith(".bin")
+                or os.path.isdir(self.source), "data.source",
+                "expected 'stdlib', 'synthetic', a path ending in .bin or a folder written by "
+                "`jaxmp data prepare`", self.source)
 
 
 @dataclass(frozen=True)
@@ -92,8 +97,8 @@ class Config(TrainerConfig):
     def _validate(self) -> None:
         vocab, source = self.model.vocab_size, self.data.source
         if source == "stdlib":
-            require(vocab >= 256, "model.vocab_size",
-                    "must be >= 256 for byte-level data.source='stdlib'", vocab)
+            require(vocab == 0 or vocab >= 256, "model.vocab_size",
+                    "must be 0 or >= 256 for byte-level data.source='stdlib'", vocab)
         if source.endswith(".bin") and self.data.token_dtype == "uint16":
             require(vocab <= 65536, "data.token_dtype",
                     f"uint16 cannot hold model.vocab_size={vocab} ids (use 'uint32')", "uint16")

@@ -269,7 +269,8 @@ def test_config_to_dict_is_plain_json():
     d = config_to_dict(load_config(None, ["logging.profile_steps=[1, 4]"]))
     assert d["logging"]["profile_steps"] == [1, 4]
     assert list(d) == [  # the trainer's sections, then the GPT recipe's
-        "mesh", "optimizer", "train", "checkpoint", "logging", "xla", "device", "model", "data"]
+        "mesh", "optimizer", "train", "checkpoint", "logging", "xla", "device", "pipeline", "model",
+        "data"]
     assert json.loads(json.dumps(d)) == d
 
 

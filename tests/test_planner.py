@@ -20,7 +20,7 @@ from jaxmp.plan.render import render
 from jaxmp.plan.search import PIPELINE_NOTE, factorisations
 from jaxmp.recipes.gpt import gpt_costs, gpt_plan, gpt_trainer
 from jaxmp.tools.verify import verify_prediction
-from jaxmp.train.planning import plan_model
+from jaxmp.train.planning import CostSource, plan_model
 
 # Small model, 8-divisible dims: fast to trace and to compile on 8 simulated devices.
 SMALL = ["model.layers=2", "model.d_model=64", "model.heads=8", "model.vocab_size=256",
@@ -211,7 +211,7 @@ def test_any_model_plans():
             return x
 
     batch = jax.ShapeDtypeStruct((32, 64), jax.numpy.float32)
-    p = plan_model(load_config(), 8, lambda rngs: Net(rngs), None, example_batch=batch)
+    p = plan_model(load_config(), 8, CostSource(lambda rngs: Net(rngs), None, example_batch=batch))
     assert p.runnable and p.mesh["stage"] == 1
     assert [lay["name"] for lay in p.layers][1:5] == [f"layers/{i}" for i in range(4)]
     assert "layers/0/kernel" in p.param_specs

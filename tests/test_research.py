@@ -21,7 +21,7 @@ import jaxmp
 from jaxmp import rules
 from jaxmp.checkpoint.records import flat_paths
 from jaxmp.hlo import collective_stats
-from jaxmp.train.planning import plan_model
+from jaxmp.train.planning import CostSource, plan_model
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["checkpoint.enabled=false", "logging.progress=false", "logging.tensorboard=false",
@@ -190,10 +190,11 @@ def test_path_rules_reach_the_planner():
     def model_fn(rngs):
         return tc.ConvNet(rngs=rngs)
 
-    named = plan_model(config, 8, model_fn, tc.classification_loss, example_batch=example,
-                       rules=tc.RULES, path_rules=tc.PATH_RULES)
-    bare = plan_model(config, 8, model_fn, tc.classification_loss, example_batch=example,
-                      rules=tc.RULES)
+    named = plan_model(config, 8, CostSource(model_fn, tc.classification_loss,
+                                             example_batch=example, path_rules=tc.PATH_RULES),
+                       rules=tc.RULES)
+    bare = plan_model(config, 8, CostSource(model_fn, tc.classification_loss,
+                                            example_batch=example), rules=tc.RULES)
     assert named.param_specs["conv2/kernel"] != [] and bare.param_specs["conv2/kernel"] == []
 
 

@@ -130,7 +130,7 @@ def test_extra_state_is_sharded_like_params_and_checkpointed(tmp_path):
     param_specs = [s.spec for s in jax.tree.leaves(layout.shardings.params)]
     extra_specs = [s.spec for s in jax.tree.leaves(layout.shardings.extra["residual"])]
     assert extra_specs == param_specs and any(s != jax.sharding.PartitionSpec() for s in extra_specs)
-    state = init_state(layout, gpt_fn(), tx, seed=0, extensions=ext)
+    state = init_state(layout, gpt_fn(), tx, seed=0)
     assert addressable_bytes(state.extra["residual"]) * 8 == state_bytes(state.extra["residual"])
     batch = lm_batch()
     step = make_train_step(layout, lm_loss, tx, make_schedule(OPT, 10), batch)

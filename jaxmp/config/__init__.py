@@ -11,10 +11,10 @@ recipe (:mod:`jaxmp.recipes.gpt_config`); ``jaxmp.load_config`` loads that schem
 from jaxmp.config.fields import ConfigError, Section, bounded, require
 from jaxmp.config.io import config_to_dict, config_to_toml, load, parse_override, replace
 from jaxmp.config.sections import (MESH_AXES, CheckpointConfig, DeviceConfig, LoggingConfig,
-                                   MeshConfig, OptimizerConfig, TrainConfig, TrainerConfig,
-                                   XlaConfig, section_types)
+                                   MeshConfig, OptimizerConfig, PipelineConfig, TrainConfig,
+                                   TrainerConfig, XlaConfig, section_types)
 
 __all__ = ["MESH_AXES", "CheckpointConfig", "ConfigError", "DeviceConfig", "LoggingConfig",
-           "MeshConfig", "OptimizerConfig", "Section", "TrainConfig", "TrainerConfig",
+           "MeshConfig", "OptimizerConfig", "PipelineConfig", "Section", "TrainConfig", "TrainerConfig",
            "XlaConfig", "bounded", "config_to_dict", "config_to_toml", "load", "parse_override",
            "replace", "require", "section_types"]

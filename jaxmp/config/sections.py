@@ -147,6 +147,21 @@ class DeviceConfig(Section):
 
 
 @dataclass(frozen=True)
+class PipelineConfig(Section):
+    """Pipeline parallelism, used when ``mesh.stage`` > 1 (see docs/pipeline.md)."""
+
+    section: ClassVar[str] = "pipeline"
+    microbatches: int | Literal["auto"] = "auto"  # "auto": the plan's, else 2 x stages
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    virtual_stages: int = bounded(1, ge=1)  # chunks per device (interleaved: >= 2)
+    balance: Literal["flops", "layers"] = "flops"  # stage boundaries by per-layer FLOPs or count
+
+    def _validate(self) -> None:
+        require(self.microbatches == "auto" or self.microbatches >= 1, "pipeline.microbatches",
+                "must be >= 1 or 'auto'", self.microbatches)
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """Every section the generic trainer reads; one frozen dataclass per TOML section.
 
@@ -161,6 +176,7 @@ class TrainerConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     xla: XlaConfig = field(default_factory=XlaConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -204,18 +204,24 @@ class GPT(nnx.Module):
             x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], stacked))
         return x
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """Token ids → the first block's input (the pipeline's first stage runs this)."""
         dt = jnp.dtype(self.cfg.compute_dtype)
         # Use the table like an activation (whole embed dim) so the gather's output can follow
         # the batch sharding instead of the table's fsdp sharding.
         table = constrain(self.embed[...], ("act_vocab", "act_embed"))
         x = jnp.take(table, tokens, axis=0).astype(dt)
-        x = constrain(x, ("batch", "seq", "act_embed"))
-        x = self._run_blocks(x)
+        return constrain(x, ("batch", "seq", "act_embed"))
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The last block's output → logits (the pipeline's last stage runs this)."""
         x = self.final_norm(x)
         head = self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
-        logits = x @ head.astype(dt)
+        logits = x @ head.astype(x.dtype)
         return constrain(logits, ("batch", "seq", "act_vocab"))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.logits(self._run_blocks(self.embed_tokens(tokens)))
 
 
 def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
@@ -224,10 +230,22 @@ def lm_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, 
     Returns ``(loss, {"weight": tokens})`` so gradient accumulation can weight microbatches by
     their token counts and stay equal to the full-batch step when masks differ.
     """
-    logits = model(batch["inputs"]).astype(jnp.float32)
+    return next_token_loss(model(batch["inputs"]), batch)
+
+
+def next_token_loss(logits: jax.Array, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+    """:func:`lm_loss` from logits already computed (what a pipeline's last stage has).
+
+    The target's logit is picked with a one-hot sum rather than a gather: with the vocabulary
+    split over ``tensor`` that is a local product and one all-reduce (Megatron's vocab-parallel
+    cross entropy), and XLA's partitioner handles it inside a pipeline stage, where the gather
+    trips it.
+    """
+    logits = logits.astype(jnp.float32)
     targets = batch["targets"]
     logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+    picked = jnp.sum(logits * hot, axis=-1)
     nll = logz - picked
     mask = batch.get("mask")
     mask = jnp.ones_like(nll) if mask is None else mask.astype(jnp.float32)

@@ -3,14 +3,13 @@
 * :mod:`jaxmp.plan.plan` — :class:`Plan`, :func:`plan`, :func:`plan_for_config`;
 * :mod:`jaxmp.plan.search` — enumerate and rank layouts;
 * :mod:`jaxmp.plan.predict` — per-device memory, communication and step time of one layout;
-* :mod:`jaxmp.plan.balance` — contiguous stage splits that minimise the slowest stage;
 * :mod:`jaxmp.plan.render` — the text report ``jaxmp plan`` prints.
 
 It knows no model and no trainer: models arrive as :class:`jaxmp.cost.ModelCost`.
 """
 
 from jaxmp.errors import PlanError
-from jaxmp.plan.balance import InfeasibleError, balance_stages, stage_sums
+from jaxmp.parallel.balance import InfeasibleError, balance_stages, stage_sums
 from jaxmp.plan.plan import Plan, plan, plan_for_config
 from jaxmp.plan.predict import Context, Layout, Prediction, predict
 

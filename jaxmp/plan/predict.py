@@ -33,7 +33,7 @@ from jaxmp import sharding
 from jaxmp.cost import ModelCost
 from jaxmp.devices import DeviceProfile
 from jaxmp.mesh import AXES
-from jaxmp.plan.balance import InfeasibleError, balance_stages
+from jaxmp.parallel.balance import InfeasibleError, balance_stages
 
 STEP_STATE_BYTES = 4  # the step counter of the train state
 

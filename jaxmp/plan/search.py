@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from jaxmp._util.fmt import fmt_bytes, fmt_time
 from jaxmp.mesh import AXES
-from jaxmp.plan.balance import InfeasibleError
+from jaxmp.parallel.balance import InfeasibleError
 from jaxmp.plan.predict import Context, Layout, Prediction, predict
 
 PIPELINE_NOTE = "predicted only: jaxmp does not execute pipeline stages yet"

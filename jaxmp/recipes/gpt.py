@@ -25,10 +25,11 @@ from jaxmp.cost import REMAT_POLICIES, ModelCost, model_costs
 from jaxmp.data import STDLIB_VOCAB, BatchIterator, make_batches, padded_vocab, read_meta
 from jaxmp.data.meta import META, RUN_META, TOKENIZER
 from jaxmp.errors import ConfigError
-from jaxmp.models import GPT, GPTConfig, lm_loss
+from jaxmp.models import GPT, GPTConfig, lm_loss, next_token_loss
 from jaxmp.plan import Plan, plan_for_config
 from jaxmp.recipes.gpt_config import Config, ModelConfig
 from jaxmp.train import Trainer
+from jaxmp.train.pipeline import PipelineSpec
 
 
 def prepared_folder(config: Config) -> Path | None:
@@ -148,8 +149,16 @@ def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,
                    lm_batches(config) if with_data else None, run_dir=run_dir,
                    eval_data=eval_data, devices=devices, plan=plan,
                    cost=lambda: gpt_costs(config, (config.model.remat,)),
-                   example_batch=example_batch(config),
+                   example_batch=example_batch(config), pipeline=gpt_pipeline(config),
                    model_flops_per_token=gpt_config(config).flops_per_token(config.data.seq_len))
+
+
+def gpt_pipeline(config: Config) -> PipelineSpec:
+    """How the GPT splits into stages: embedding, the ``blocks`` stack, final norm + head +
+    loss."""
+    return PipelineSpec("blocks", pre=lambda model, mb: model.embed_tokens(mb["inputs"]),
+                        post=lambda model, x, mb: next_token_loss(model.logits(x), mb),
+                        remat=config.model.remat)
 
 
 def copy_tokenizer(config: Config, run_dir: str | os.PathLike) -> None:

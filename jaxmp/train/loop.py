@@ -6,6 +6,7 @@ loss and the built-in data (see :mod:`jaxmp.recipes.gpt`), so there is no second
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -15,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxmp import sharding
 from jaxmp._util.arrays import tree_bytes
@@ -28,7 +30,9 @@ from jaxmp.plan import Plan
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
 from jaxmp.train.metrics import MetricsWriter, Profiler, Progress, total_peak_flops
 from jaxmp.train.optimizer import make_optimizer, make_schedule
-from jaxmp.train.planning import mesh_for, plan_model
+from jaxmp.train.pipeline import (PipelineSpec, block_graphdef, make_pipeline_grad_fn,
+                                  stack_length, to_stages)
+from jaxmp.train.planning import CostSource, mesh_for, plan_model, plan_stages
 from jaxmp.train.preempt import Preemption
 from jaxmp.train.state import Extension, TrainState, init_state, plan_state
 from jaxmp.train.step import LossFn, batch_spec, make_eval_step, make_train_step
@@ -50,7 +54,8 @@ class Trainer:
     function returning one) or, for any model, from ``example_batch`` (global shapes: arrays or
     ShapeDtypeStructs); with neither, an ``auto`` mesh is plain data parallelism.
     ``extensions`` add sharded, checkpointed state beside the model's (see
-    :mod:`jaxmp.train.state`).
+    :mod:`jaxmp.train.state`). ``pipeline`` says how the model splits into stages (a
+    :class:`~jaxmp.train.pipeline.PipelineSpec`), which ``mesh.stage > 1`` requires.
     """
 
     def __init__(self, config: TrainerConfig, model_fn: Callable, loss_fn: LossFn,
@@ -61,7 +66,8 @@ class Trainer:
                  devices: Sequence[jax.Device] | None = None, plan: Plan | None = None,
                  cost: ModelCost | Callable[[], ModelCost] | None = None,
                  example_batch: Any = None,
-                 extensions: Mapping[str, Extension] | None = None):
+                 extensions: Mapping[str, Extension] | None = None,
+                 pipeline: PipelineSpec | None = None):
         self.config = config
         self.model_fn, self.loss_fn = model_fn, loss_fn
         self.data, self.eval_data = data, eval_data
@@ -73,15 +79,23 @@ class Trainer:
         self.rules = sharding.normalize_rules(sharding.DEFAULT_RULES if rules is None
                                               else rules)
         devices = list(devices if devices is not None else jax.devices())
-        self.plan = plan if plan is not None else plan_model(
-            config, len(devices), model_fn, loss_fn, cost=cost, example_batch=example_batch,
-            rules=self.rules, path_rules=path_rules)
+        costs = CostSource(model_fn, loss_fn, cost, example_batch, path_rules)
+        self.plan = plan if plan is not None else plan_model(config, len(devices), costs,
+                                                             self.rules)
         self.mesh = mesh_for(config, devices, self.plan)
         self.is_main = jax.process_index() == 0
         self.tx = make_optimizer(config.optimizer, config.train.steps)
-        self.schedule = make_schedule(config.optimizer, config.train.steps)
+        self.lr_schedule = make_schedule(config.optimizer, config.train.steps)
+        abstract = sharding.abstract(lambda: model_fn(nnx.Rngs(0)))
+        self.stages = plan_stages(config, self.mesh, pipeline.stack if pipeline else None,
+                                  stack_length(abstract, pipeline), costs, self.plan)
+        transform = None if self.stages is None else \
+            functools.partial(to_stages, spec=pipeline, split=self.stages.split)
         self.layout = plan_state(model_fn, self.tx, self.mesh, self.rules, path_rules,
-                                 self.extensions)
+                                 self.extensions, transform)
+        self.grad_fn = None if self.stages is None else make_pipeline_grad_fn(
+            self.layout.graphdef, block_graphdef(abstract, pipeline), self.mesh, pipeline,
+            self.stages.schedule, self.stages.split, self.rules)
         self.state: TrainState | None = None
         self.history: list[dict] = []
 
@@ -95,8 +109,9 @@ class Trainer:
         batch = self.example_batch if batch is None else batch
         if batch is None:
             raise ValueError("Trainer.compile needs a batch (or example_batch at construction)")
-        step = make_train_step(self.layout, self.loss_fn, self.tx, self.schedule, batch,
-                               self.config.train.grad_accum, self.rules, self.config.train.seed)
+        step = make_train_step(self.layout, self.loss_fn, self.tx, self.lr_schedule, batch,
+                               self.config.train.grad_accum, self.rules, self.config.train.seed,
+                               grad_fn=self.grad_fn)
         return step.lower(self.layout.abstract, batch).compile()
 
     # -- set-up -------------------------------------------------------------------------------
@@ -116,6 +131,8 @@ class Trainer:
                 "state_bytes": tree_bytes(self.layout.abstract), "lint": lint.to_dict()}
         if self.plan is not None:
             plan.update(self.plan.to_json())
+        if self.stages is not None:
+            plan["pipeline"] = self.stages.to_json()
         atomic_write(self.run_dir / "plan.json", json.dumps(plan, indent=2, default=str) + "\n")
 
     def _flops_per_step(self, compiled: Any, tokens: int) -> float:
@@ -140,12 +157,13 @@ class Trainer:
         if resumed is not None:
             self.state = resumed.state
         elif self.state is None:
-            self.state = init_state(self.layout, self.model_fn, self.tx, t.seed, self.extensions)
+            self.state = init_state(self.layout, self.model_fn, self.tx, t.seed)
         start_step = int(self.state.step)
         data_iter = resume_iterator(self.data, resumed)  # continues the stream after a resume
         batch = self._next_global(data_iter)
         step_fn = self.compile(batch)  # the same executable runs the steps and reports its cost
-        eval_fn = make_eval_step(self.layout, self.loss_fn, batch, self.rules, t.seed) \
+        eval_fn = make_eval_step(self.layout, self.loss_fn, batch, self.rules, t.seed,
+                                 grad_fn=self.grad_fn) \
             if self.eval_data is not None and t.eval_every > 0 else None
         tokens = int(np.prod(batch["inputs"].shape)) if "inputs" in batch else \
             int(jax.tree.leaves(batch)[0].shape[0])

@@ -1,14 +1,17 @@
-"""Where a run's mesh comes from: the config's axes, or — all ``auto`` — the planner's plan.
+"""Where a run's layout comes from: the mesh (the config's axes, or — all ``auto`` — the
+planner's plan) and, with ``mesh.stage > 1``, the pipeline's stages and schedule.
 
-The one place a Trainer plans: :func:`plan_model` turns a model into a
-:class:`~jaxmp.cost.ModelCost` (given, or traced from an example batch) and hands it to
-:func:`jaxmp.plan.plan_for_config`, the same function ``jaxmp plan`` uses.
+The one place a Trainer plans. A model reaches the planner as a :class:`~jaxmp.cost.ModelCost`
+(given by a recipe, or traced from an example batch, at most once) and goes to
+:func:`jaxmp.plan.plan_for_config`, the same function ``jaxmp plan`` uses; the pipeline's stage
+boundaries come from the same per-layer costs.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -17,30 +20,42 @@ from jaxmp.config import TrainerConfig
 from jaxmp.cost import ModelCost, model_costs
 from jaxmp.errors import ConfigError
 from jaxmp.mesh import make_mesh
+from jaxmp.parallel.schedule import Schedule
+from jaxmp.parallel.stages import StageSplit, split_layers
 from jaxmp.plan import Plan, plan_for_config
 
 
-def plan_model(config: TrainerConfig, n_devices: int, model_fn: Callable, loss_fn: Callable,
-               *, cost: ModelCost | Callable[[], ModelCost] | None = None,
-               example_batch: Any = None, rules: Sequence | None = None,
-               path_rules: Sequence | None = None) -> Plan | None:
+class CostSource:
+    """A model's per-layer costs, computed at most once and only when something needs them."""
+
+    def __init__(self, model_fn: Callable, loss_fn: Callable,
+                 cost: ModelCost | Callable[[], ModelCost] | None = None,
+                 example_batch: Any = None, path_rules: Sequence | None = None):
+        self.model_fn, self.loss_fn, self.example_batch = model_fn, loss_fn, example_batch
+        self.path_rules, self._given, self._cost = path_rules, cost, None
+        self.seconds = 0.0
+
+    def get(self) -> ModelCost | None:
+        if self._cost is None:
+            start = time.perf_counter()
+            cost = self._given() if callable(self._given) else self._given
+            if cost is None and self.example_batch is not None:
+                cost = model_costs(self.model_fn, self.example_batch, self.loss_fn,
+                                   policies=("none",), path_rules=self.path_rules)
+            self._cost, self.seconds = cost, time.perf_counter() - start
+        return self._cost
+
+
+def plan_model(config: TrainerConfig, n_devices: int, costs: CostSource,
+               rules: Sequence | None = None) -> Plan | None:
     """The plan for an all-``auto`` mesh, or None (explicit mesh, or nothing to cost from).
 
     The model is costed with the Trainer's ``path_rules`` and planned with its ``rules``, so the
     plan's partition specs are the ones the step will use."""
-    if not config.mesh.is_auto:
+    if not config.mesh.is_auto or costs.get() is None:
         return None
-    start = time.perf_counter()
-    if callable(cost):
-        cost = cost()
-    if cost is None and example_batch is not None:
-        cost = model_costs(model_fn, example_batch, loss_fn, policies=("none",),
-                           path_rules=path_rules)
-    if cost is None:
-        return None
-    cost_time = time.perf_counter() - start
-    plan = plan_for_config(config, cost, n_devices, rules=rules)
-    plan.cost_time_s = cost_time
+    plan = plan_for_config(config, costs.get(), n_devices, rules=rules)
+    plan.cost_time_s = costs.seconds
     return plan
 
 
@@ -52,3 +67,61 @@ def mesh_for(config: TrainerConfig, devices: Sequence[jax.Device],
         return make_mesh(sizes, devices)
     except ValueError as e:  # a config that cannot fit the devices is bad input, not a crash
         raise ConfigError(f"mesh: {e}") from None
+
+
+@dataclass(frozen=True)
+class Stages:
+    """A pipelined run's schedule and stage split (and the JSON ``plan.json`` records)."""
+
+    schedule: Schedule
+    split: StageSplit
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.schedule
+        return {"schedule": s.kind, "stages": s.stages, "virtual_stages": s.virtual,
+                "microbatches": s.microbatches, "chunks": [list(b) for b in self.split.bounds],
+                "blocks_per_chunk": self.split.per_chunk, "ticks": s.n_ticks,
+                "bubble_fraction": s.bubble_fraction,
+                "in_flight": [s.in_flight(d) for d in range(s.stages)]}
+
+
+def stage_costs(cost: ModelCost, stack: str) -> list[float]:
+    """Per-layer training FLOPs folded to the pipeline's table: everything before the stack's
+    first block is ``pre``, every block, everything after the last block is ``post``."""
+    flops = [lay.flops(cost.runs_as) for lay in cost.layers]
+    blocks = [i for i, lay in enumerate(cost.layers) if lay.group == stack and lay.kind == "block"]
+    if not blocks:
+        raise ConfigError(f"mesh.stage > 1: the model has no layer stack {stack!r} to pipeline")
+    lo, hi = blocks[0], blocks[-1] + 1
+    return [sum(flops[:lo])] + flops[lo:hi] + [sum(flops[hi:])]
+
+
+def plan_stages(config: TrainerConfig, mesh: jax.sharding.Mesh, stack: str | None,
+                n_blocks: int, costs: CostSource, plan: Plan | None) -> Stages | None:
+    """The schedule and split for ``mesh.stage > 1`` (None without stages); bad input raises."""
+    p, pc = int(mesh.shape["stage"]), config.pipeline
+    if p == 1:
+        return None
+    if stack is None:
+        raise ConfigError(f"mesh.stage={p}: this model cannot be split into stages (it needs a "
+                          f"PipelineSpec: pre, a stacked layer module, post)")
+    if config.train.grad_accum != 1:
+        raise ConfigError(f"train.grad_accum={config.train.grad_accum}: with pipeline stages the "
+                          f"microbatches accumulate; set pipeline.microbatches instead")
+    m = pc.microbatches if pc.microbatches != "auto" else \
+        plan.microbatches if plan is not None and plan.mesh.get("stage", 1) == p else 2 * p
+    schedule = Schedule(pc.schedule, p, m, pc.virtual_stages)
+    shards = int(mesh.shape["data"] * mesh.shape["fsdp"])
+    rows = config.train.batch_size
+    if rows % (m * shards):
+        raise ConfigError(f"train.batch_size={rows} does not split into pipeline.microbatches="
+                          f"{m} x {shards} batch shards (data x fsdp)")
+    if pc.balance == "flops":
+        cost = costs.get()
+        if cost is None:
+            raise ConfigError("pipeline.balance='flops' needs the model's costs (give the Trainer "
+                              "an example_batch) or use pipeline.balance='layers'")
+        table = stage_costs(cost, stack)
+    else:
+        table = [1.0] * (n_blocks + 2)
+    return Stages(schedule, split_layers(table, p, pc.virtual_stages, pc.balance))

@@ -15,7 +15,7 @@ extras are sharded and checkpointed exactly like params without changing the sta
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import flax.struct
@@ -30,6 +30,7 @@ from jaxmp._util.arrays import nbytes
 
 ModelFn = Callable[[nnx.Rngs], nnx.Module]
 Extension = Callable[[Any], Any]  # params (Variables, real or abstract) -> an extra subtree
+Transform = Callable[[nnx.State], nnx.State]  # the model's params -> the layout stored
 
 
 @flax.struct.dataclass
@@ -51,6 +52,8 @@ class StateLayout:
     abstract: TrainState  # TrainState of ShapeDtypeStruct-valued Variables
     shardings: TrainState  # a pytree prefix of the state: NamedSharding per Variable/array
     mesh: Mesh
+    extensions: Mapping[str, Extension] = field(default_factory=dict)
+    transform: Transform | None = None  # e.g. pipeline stages' padded layout of a layer stack
 
 
 def _split(model: nnx.Module) -> tuple[Any, Any, Any]:
@@ -58,33 +61,40 @@ def _split(model: nnx.Module) -> tuple[Any, Any, Any]:
 
 
 def _build(model_fn: ModelFn, tx: optax.GradientTransformation, rngs: nnx.Rngs,
-           extensions: Mapping[str, Extension]) -> TrainState:
+           extensions: Mapping[str, Extension], transform: Transform | None) -> TrainState:
     """A fresh state at step 0: the model's params and rest, the optimizer's state, extras."""
     _, params, rest = _split(model_fn(rngs))
+    if transform is not None:
+        params = transform(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       rest=rest, extra={k: make(params) for k, make in extensions.items()})
 
 
 def plan_state(model_fn: ModelFn, tx: optax.GradientTransformation, mesh: Mesh,
                rules: Sequence = sharding.DEFAULT_RULES, path_rules: Sequence | None = None,
-               extensions: Mapping[str, Extension] | None = None) -> StateLayout:
-    """Trace the model abstractly (no FLOPs, no memory) and derive the state's shardings."""
+               extensions: Mapping[str, Extension] | None = None,
+               transform: Transform | None = None) -> StateLayout:
+    """Trace the model abstractly (no FLOPs, no memory) and derive the state's shardings.
+
+    ``extensions`` add extra state (see the module docstring); ``transform`` maps the model's
+    params to the layout the state stores (the pipeline's padded stages)."""
     extensions = dict(extensions or {})
     graphdef, _, _ = _split(sharding.abstract(lambda: model_fn(nnx.Rngs(0))))
     with sharding.without_eager_sharding():
-        abstract = jax.eval_shape(lambda: _build(model_fn, tx, nnx.Rngs(0), extensions))
+        abstract = jax.eval_shape(lambda: _build(model_fn, tx, nnx.Rngs(0), extensions,
+                                                 transform))
     shardings = sharding.shardings_for(abstract, mesh, rules=rules, path_rules=path_rules)
-    return StateLayout(graphdef=graphdef, abstract=abstract, shardings=shardings, mesh=mesh)
+    return StateLayout(graphdef=graphdef, abstract=abstract, shardings=shardings, mesh=mesh,
+                       extensions=extensions, transform=transform)
 
 
 def init_state(layout: StateLayout, model_fn: ModelFn, tx: optax.GradientTransformation,
-               seed: int, extensions: Mapping[str, Extension] | None = None) -> TrainState:
+               seed: int) -> TrainState:
     """Create params, optimizer state and extras directly in their shards (inside jit)."""
-    extensions = dict(extensions or {})
     key = jax.random.key_data(jax.random.key(seed))
     replicated = NamedSharding(layout.mesh, PartitionSpec())
     init = jax.jit(lambda k: _build(model_fn, tx, nnx.Rngs(jax.random.wrap_key_data(k)),
-                                    extensions),
+                                    layout.extensions, layout.transform),
                    in_shardings=replicated, out_shardings=layout.shardings)
     with sharding.without_eager_sharding():  # traced here: the model is built inside
         return init(key)

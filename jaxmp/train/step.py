@@ -122,9 +122,12 @@ def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, key: jax.A
 
 def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, example_batch: dict, grad_accum: int = 1,
-                    rules: Sequence = sharding.DEFAULT_RULES, seed: int = 0) -> Callable:
-    """Return the jitted ``step(state, batch) -> (state, metrics)`` with donated state."""
-    grad_fn = make_grad_fn(layout, loss_fn, grad_accum, rules)
+                    rules: Sequence = sharding.DEFAULT_RULES, seed: int = 0,
+                    grad_fn: Callable | None = None) -> Callable:
+    """Return the jitted ``step(state, batch) -> (state, metrics)`` with donated state.
+
+    ``grad_fn`` replaces the plain gradient (e.g. the pipeline executor's, same contract)."""
+    grad_fn = grad_fn or make_grad_fn(layout, loss_fn, grad_accum, rules)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         key = step_key(seed, state.step)
@@ -143,11 +146,15 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
 
 
 def make_eval_step(layout: StateLayout, loss_fn: LossFn, example_batch: dict,
-                   rules: Sequence = sharding.DEFAULT_RULES, seed: int = 0) -> Callable:
-    """Return the jitted ``eval(state, batch) -> loss``: no gradients, no state change, the
-    model in evaluation mode (``nnx.Module.eval()``: dropout off)."""
+                   rules: Sequence = sharding.DEFAULT_RULES, seed: int = 0,
+                   grad_fn: Callable | None = None) -> Callable:
+    """Return the jitted ``eval(state, batch) -> loss``: no state change, the model in
+    evaluation mode (``nnx.Module.eval()``: dropout off). With a ``grad_fn`` (a pipeline) the
+    loss is its loss — it also computes gradients, which are dropped."""
 
     def evaluate(state: TrainState, batch: dict) -> jax.Array:
+        if grad_fn is not None:
+            return grad_fn(state.params, state.rest, batch, step_key(seed, 0, _EVAL_STREAM))[0]
         with sharding.activation_sharding(layout.mesh, rules):
             model = nnx.merge(layout.graphdef, state.params, state.rest, copy=True)
             model.eval()

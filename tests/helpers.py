@@ -2,6 +2,8 @@
 small generated text corpus."""
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import jax
@@ -61,3 +63,26 @@ def write_corpus(root: Path, files: int = 6, lines: int = 60, seed: int = 0) -> 
         text = end.join(rows) + ("" if f == 2 else end)
         (root / f"doc{f}.txt").write_text(text, encoding="utf-8", newline="")
     return root
+
+
+class Recorder:
+    """Wraps a BatchIterator: records the global step of every batch read, and sends this
+    process a signal when batch ``signal_at`` is read (the preemption notice)."""
+
+    def __init__(self, inner, signal_at: int | None = None, sig=signal.SIGTERM):
+        self.inner, self.signal_at, self.sig, self.read = inner, signal_at, sig, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.read.append(self.inner.step)
+        if self.inner.step == self.signal_at:
+            os.kill(os.getpid(), self.sig)
+        return next(self.inner)
+
+    def get_state(self):
+        return self.inner.get_state()
+
+    def set_state(self, state):
+        self.inner.set_state(state)

@@ -6,7 +6,6 @@ iterator produces a chosen batch, so the step it lands on is deterministic. A se
 """
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 
@@ -18,34 +17,12 @@ from jaxmp.checkpoint import CheckpointError, digest, list_steps, restore
 from jaxmp.models import lm_loss
 from jaxmp.recipes.gpt import lm_batches
 from jaxmp.train.loop import Trainer
+from helpers import Recorder
 from test_checkpoint_helpers import TINY_GPT, Bigram
 
 STEPS = 8
 TINY = TINY_GPT + [f"train.steps={STEPS}", "checkpoint.every=3", "checkpoint.keep=3"]
 MESH8 = ["mesh.fsdp=2", "mesh.tensor=4"]
-
-
-class Recorder:
-    """Wraps a BatchIterator: records the global step of every batch read, and sends this
-    process a signal when batch ``signal_at`` is read (the preemption notice)."""
-
-    def __init__(self, inner, signal_at: int | None = None, sig=signal.SIGTERM):
-        self.inner, self.signal_at, self.sig, self.read = inner, signal_at, sig, []
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.read.append(self.inner.step)
-        if self.inner.step == self.signal_at:
-            os.kill(os.getpid(), self.sig)
-        return next(self.inner)
-
-    def get_state(self):
-        return self.inner.get_state()
-
-    def set_state(self, state):
-        self.inner.set_state(state)
 
 
 def _trainer(run_dir, extra=(), devices=None, signal_at=None, sig=signal.SIGTERM, d=32):

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from jaxmp import rules
 from jaxmp.checkpoint.records import flat_paths
 from jaxmp.hlo import collective_stats
 from jaxmp.train.planning import CostSource, plan_model
+from helpers import Recorder
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["checkpoint.enabled=false", "logging.progress=false", "logging.tensorboard=false",
@@ -123,27 +122,6 @@ def test_per_step_randomness_is_fresh_and_reproducible(lm):
     assert losses[0] == losses[2] and losses[0] != losses[1]
 
 
-class _StopAt:
-    """The research data stream, but a SIGTERM (a preemption notice) arrives at batch ``at``."""
-
-    def __init__(self, inner, at: int):
-        self.inner, self.at = inner, at
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.inner.step == self.at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return next(self.inner)
-
-    def get_state(self):
-        return self.inner.get_state()
-
-    def set_state(self, state):
-        self.inner.set_state(state)
-
-
 def test_trains_resumes_bitwise_and_restores(lm, tmp_path):
     """30 steps on fsdp4×tensor2 lower the loss; preempted at step 15 and restarted, the run is
     bitwise the uninterrupted one (dropout keys included); its checkpoint restores every param
@@ -154,7 +132,7 @@ def test_trains_resumes_bitwise_and_restores(lm, tmp_path):
     losses = [r["loss"] for r in straight.history]
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0, losses
     first = _trainer(lm, mesh, steps=30, run_dir=tmp_path / "b", extra=["checkpoint.enabled=true"])
-    first.data = _StopAt(first.data, 15)
+    first.data = Recorder(first.data, signal_at=15)  # a SIGTERM arrives at batch 15
     first.fit()
     stopped = int(first.state.step)
     assert 15 <= stopped < 30

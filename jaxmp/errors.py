@@ -34,6 +34,10 @@ class DataError(BadInput):
     """Bad data input (missing file, wrong vocab, a batch that does not split)."""
 
 
+class RunDirError(BadInput):
+    """A run (or output) directory that cannot be created or written."""
+
+
 class CheckpointError(BadInput):
     """Bad checkpoint input (missing directory, unknown step, a checkpoint that does not fit)."""
 

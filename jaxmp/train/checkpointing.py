@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
 from jax.experimental import multihost_utils
@@ -53,8 +53,12 @@ class TrainCheckpointer:
     """Checkpoints of one run directory for a state with ``layout`` (see :mod:`jaxmp.train.state`)."""
 
     def __init__(self, run_dir: str | Path, config: TrainerConfig, layout: Any,
-                 path_rules: Sequence | None = None):
+                 path_rules: Sequence | None = None,
+                 before_save: Callable[[Any], None] | None = None):
+        """``before_save(state)`` runs before every save and may raise to refuse it (the
+        non-finite guard does, for a latched state)."""
         self.cfg: CheckpointConfig = config.checkpoint
+        self.before_save = before_save
         self.dir = Path(run_dir) / "checkpoints"
         self.layout, self.path_rules = layout, path_rules
         self.config_toml = config_to_toml(config)
@@ -141,6 +145,8 @@ class TrainCheckpointer:
         due = force or (self.cfg.every > 0 and step % self.cfg.every == 0)
         if not self.enabled or not due or step == self.last_saved:
             return False
+        if self.before_save is not None:
+            self.before_save(state)
         self._open()
         if step in self.manager.all_steps():  # e.g. a state set by hand over an old run dir
             say(f"jaxmp: warning: checkpoint step {step} already exists in {self.dir}; "

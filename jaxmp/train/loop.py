@@ -19,12 +19,13 @@ import numpy as np
 from jaxmp import sharding
 from jaxmp._util.arrays import tree_bytes
 from jaxmp._util.fmt import fmt_bytes, mesh_str
-from jaxmp._util.io import atomic_write
+from jaxmp._util.io import atomic_write, make_dir
 from jaxmp._util.log import say
 from jaxmp.config import TrainerConfig, config_to_toml
 from jaxmp.cost import ModelCost
 from jaxmp.data import to_global
 from jaxmp.plan import Plan
+from jaxmp.train import checks, guard
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
 from jaxmp.train.metrics import MetricsWriter, Profiler, Progress, total_peak_flops
 from jaxmp.train.optimizer import make_optimizer, make_schedule
@@ -66,18 +67,22 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.flops_per_token = model_flops_per_token
         self.example_batch = example_batch
-        self.extensions = dict(extensions or {})
+        self.guard = guard.NonFiniteGuard(config.train.max_skipped)
+        self.extensions = {**dict(extensions or {}), guard.KEY: self.guard.extension}
         self.rules = tuple(rules or ()) + tuple(sharding.DEFAULT_RULES)
         devices = list(devices if devices is not None else jax.devices())
         self.plan = plan if plan is not None else plan_model(
             config, len(devices), model_fn, loss_fn, cost=cost, example_batch=example_batch,
             rules=self.rules)
         self.mesh = mesh_for(config, devices, self.plan)
+        checks.check_batch(self.mesh, self.rules, config.train.batch_size,
+                           config.train.grad_accum)  # refuse a batch the mesh cannot split
         self.is_main = jax.process_index() == 0
         self.tx = make_optimizer(config.optimizer, config.train.steps)
         self.schedule = make_schedule(config.optimizer, config.train.steps)
         self.layout = plan_state(model_fn, self.tx, self.mesh, self.rules, path_rules,
                                  self.extensions)
+        checks.warn_idle_axes(self.layout, self.rules, path_rules, say)
         self.state: TrainState | None = None
         self.history: list[dict] = []
 
@@ -92,14 +97,14 @@ class Trainer:
         if batch is None:
             raise ValueError("Trainer.compile needs a batch (or example_batch at construction)")
         step = make_train_step(self.layout, self.loss_fn, self.tx, self.schedule, batch,
-                               self.config.train.grad_accum, self.rules)
+                               self.config.train.grad_accum, self.rules, guard=self.guard)
         return step.lower(self.layout.abstract, batch).compile()
 
     # -- set-up -------------------------------------------------------------------------------
     def _write_run_files(self) -> None:
         if not self.is_main:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(self.run_dir, "run directory")
         atomic_write(self.run_dir / "config.toml", config_to_toml(self.config))
         lint = sharding.lint(self.layout.abstract.params, self.mesh, rules=self.rules,
                              path_rules=self.path_rules)
@@ -127,7 +132,8 @@ class Trainer:
         if self.data is None:
             raise ValueError("this Trainer was built without data; it can compile, not fit")
         self._write_run_files()
-        ckpt = TrainCheckpointer(self.run_dir, cfg, self.layout, self.path_rules)
+        ckpt = TrainCheckpointer(self.run_dir, cfg, self.layout, self.path_rules,
+                                 before_save=self.guard.check_saveable)  # never save NaN/inf
         resumed = ckpt.restore() if self.state is None else None  # newest readable checkpoint
         if resumed is not None:
             self.state = resumed.state
@@ -168,13 +174,14 @@ class Trainer:
                     record = {"loss": loss, "tokens_per_s": tokens / dt, "step_time_s": dt,
                               "model_flops_per_step": flops, "mfu": flops / dt / peak,
                               "grad_norm": float(metrics["grad_norm"]),
-                              "lr": float(metrics["lr"])}
+                              "lr": float(metrics["lr"]), **self.guard.record(metrics)}
                     if eval_fn is not None and (done % t.eval_every == 0 or done == t.steps):
                         record["eval_loss"] = self.evaluate(eval_fn)
                     writer.write(done, record)
                     self.history.append({"step": done, **record})
                     progress.update(done, loss, record["tokens_per_s"])
                     last_log, last_time = done, time.perf_counter()
+                    self.guard.check(self.state)  # too many non-finite steps in a row: stop
                 ckpt.maybe_save(done, self.state, data_iter, force=stop or done == t.steps)
                 if stop:
                     where = f"checkpoint saved in {ckpt.dir}" if ckpt.enabled else \

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmp import sharding
+from jaxmp.train.guard import NonFiniteGuard
 from jaxmp.train.state import StateLayout, TrainState
 
 LossFn = Callable[[nnx.Module, dict], Any]  # -> loss or (loss, aux)
@@ -108,8 +109,12 @@ def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, k: int) ->
 
 def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, example_batch: dict, grad_accum: int = 1,
-                    rules: Sequence = sharding.DEFAULT_RULES) -> Callable:
-    """Return the jitted ``step(state, batch) -> (state, metrics)`` with donated state."""
+                    rules: Sequence = sharding.DEFAULT_RULES,
+                    guard: NonFiniteGuard | None = None) -> Callable:
+    """Return the jitted ``step(state, batch) -> (state, metrics)`` with donated state.
+
+    ``guard``: skip non-finite updates (its counters must be in the layout's ``extra``).
+    """
     grad_fn = make_grad_fn(layout, loss_fn, grad_accum, rules)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
@@ -119,6 +124,9 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step), **aux}
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rest=rest)
+        if guard is not None:  # non-finite loss or gradient: keep the old state (train/guard.py)
+            new, guarded = guard.apply(state, new, loss, metrics["grad_norm"])
+            metrics.update(guarded)
         return new, metrics
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())

@@ -21,6 +21,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="multi-process: address of process 0")
     t.add_argument("--num-processes", type=int, default=None)
     t.add_argument("--process-id", type=int, default=None)
+    t.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
+                   help="multi-process: seconds without heartbeats after which a process "
+                        "counts as lost and the others stop (default %(default)s)")
     t.set_defaults(func=run)
     return t
 
@@ -39,21 +42,19 @@ def simulate(n: int | None) -> None:
 
 def _init_distributed(args: argparse.Namespace) -> None:
     """Join a multi-process run: explicit flags, or auto-detected under SLURM / Open MPI."""
-    import jax
-
     explicit = args.coordinator is not None
     slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ
     mpi = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
     if not (explicit or slurm or mpi):
         return
-    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if explicit:
-        if args.num_processes is None or args.process_id is None:
-            raise UsageError("--coordinator needs --num-processes and --process-id")
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    else:
-        jax.distributed.initialize()
+    if explicit and (args.num_processes is None or args.process_id is None):
+        raise UsageError("--coordinator needs --num-processes and --process-id")
+    if args.heartbeat_timeout < 1:
+        raise UsageError(f"--heartbeat-timeout must be >= 1, got {args.heartbeat_timeout}")
+    from jaxmp.train import peers
+
+    peers.join(args.coordinator, args.num_processes, args.process_id,
+               heartbeat_timeout_s=args.heartbeat_timeout, run_dir=args.run_dir)
 
 
 def run(args: argparse.Namespace) -> int:

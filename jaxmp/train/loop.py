@@ -149,7 +149,8 @@ class Trainer:
             int(jax.tree.leaves(batch)[0].shape[0])
         flops = self._flops_per_step(step_fn, tokens)
         peak = total_peak_flops(list(self.mesh.devices.flat))
-        writer = MetricsWriter(self.run_dir, self.is_main, cfg.logging.tensorboard)
+        writer = MetricsWriter(self.run_dir, self.is_main, cfg.logging.tensorboard,
+                               resume_step=start_step)  # drops lines a resume will log again
         progress = Progress(t.steps, self.is_main and cfg.logging.progress)
         progress.message(f"jaxmp: mesh {mesh_str(dict(self.mesh.shape))} on {self.mesh.size} "
                          f"{self.mesh.devices.flat[0].platform} device(s); "

@@ -218,8 +218,8 @@ def chaos_run(args: argparse.Namespace, work: Path, startup_s: float, step_s: fl
                 victims = [rng.randrange(args.processes)]
             run.kill(victims)
             if run.first_step_s:  # restarts compile from the cache: start-up gets shorter
-            startup_s = min(startup_s, run.first_step_s)
-        report["events"].append({"kind": kind, "landed": landed, "victims": victims,
+                startup_s = min(startup_s, run.first_step_s)
+            report["events"].append({"kind": kind, "landed": landed, "victims": victims,
                                      "at_s": round(time.monotonic() - run.started, 3)})
             if landed:
                 report["kills_landed"] += 1

@@ -119,7 +119,7 @@ class TrainCheckpointer:
             raise CheckpointError(f"checkpoint {step_dir} does not fit the configured model: "
                                   f"{problem}")
         target = tree.target(meta["arrays"], self.shardings)
-        flat = tree.flat_paths(store.restore_arrays(step_dir, target))
+        flat = tree.flat_paths(store.restore_arrays(step_dir, target, meta["arrays"]))
         state = tree.rebuild(self.layout.abstract, tree.rewrap(flat, meta["arrays"]),
                              self.path_rules)
         return state, store.read_json(step_dir, "data", missing_ok=True)
@@ -154,8 +154,7 @@ class TrainCheckpointer:
             self.last_saved = step
             return False
         items = tree.entries(state, self.path_rules)
-        records = {e.path: tree.record(e) for e in items}
-        meta = store.make_meta(step, records, tree.saved_mesh([e.value for e in items]))
+        meta = store.make_meta(step, items)
         get_state = getattr(data_iter, "get_state", None)
         self.manager.save(step, force=True, args=store.save_args(
             tree.to_pure(items), meta, self._run_info(), get_state() if get_state else None))

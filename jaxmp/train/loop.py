@@ -104,7 +104,6 @@ class Trainer:
     def _write_run_files(self) -> None:
         if not self.is_main:
             return
-        make_dir(self.run_dir, "run directory")
         atomic_write(self.run_dir / "config.toml", config_to_toml(self.config))
         lint = sharding.lint(self.layout.abstract.params, self.mesh, rules=self.rules,
                              path_rules=self.path_rules)
@@ -131,10 +130,12 @@ class Trainer:
         cfg, t = self.config, self.config.train
         if self.data is None:
             raise ValueError("this Trainer was built without data; it can compile, not fit")
-        self._write_run_files()
+        if self.is_main:
+            make_dir(self.run_dir, "run directory")  # a path that cannot be one: bad input
         ckpt = TrainCheckpointer(self.run_dir, cfg, self.layout, self.path_rules,
                                  before_save=self.guard.check_saveable)  # never save NaN/inf
         resumed = ckpt.restore() if self.state is None else None  # newest readable checkpoint
+        self._write_run_files()  # only once a checkpoint that does not fit has been refused
         if resumed is not None:
             self.state = resumed.state
         elif self.state is None:

@@ -54,5 +54,9 @@ class PlanError(BadInput):
     """The request cannot be planned (bad device count, axes that cannot fit, unknown device)."""
 
 
+class CheckpointWriteError(Failure):
+    """A checkpoint could not be written (disk full, quota, I/O error); nothing partial is kept."""
+
+
 class VerifyError(Failure):
     """A plan cannot be compiled here (not enough devices)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,6 +311,31 @@ def _one_line(e: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------- writing
+
+
+def remove_partial(ckdir: Path) -> list[Path]:
+    """Delete every interrupted save (Orbax tmp folder) in ``ckdir``; returns what went."""
+    gone = []
+    for info in scan(ckdir, sizes=False):
+        if _TMP.match(info.path.name):
+            shutil.rmtree(info.path, ignore_errors=True)
+            gone.append(info.path)
+    return gone
+
+
+def write_failure(error: BaseException) -> tuple[int | None, str]:
+    """(step, cause) of a failed write as Orbax / TensorStore report it: the step from the tmp
+    folder's name when it appears, the cause as the OS error's text when there is one."""
+    text = " ".join(str(error).split())
+    step = re.search(r"/(\d+)" + re.escape(TMP_MARK), text)
+    code = re.search(r"os_error_code='?(\d+)", text)
+    if code:
+        cause = f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"
+    elif isinstance(error, OSError) and error.strerror:
+        cause = error.strerror
+    else:
+        cause = text if len(text) <= 200 else text[:197] + "..."
+    return (int(step.group(1)) if step else None), cause
 
 
 def open_manager(ckdir: Path, *, keep: int, keep_period: int = 0, async_save: bool = True,

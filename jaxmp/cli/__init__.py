@@ -50,9 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         peers = _peers()
         lost = peers.failure_line(e) if peers else None
-        what = f"{e}" if isinstance(e, Failure) else f"{type(e).__name__}: {e}"
-        print(f"jaxmp: failed: {lost}" if lost else
-              f"jaxmp: failed: {what} (set JAXMP_DEBUG=1 for the traceback)", file=sys.stderr)
+        what = f"{e}" if isinstance(e, Failure) else \
+            f"{type(e).__name__}: {e} (set JAXMP_DEBUG=1 for the traceback)"
+        print(f"jaxmp: failed: {lost or what}", file=sys.stderr)
         return _leave(EXIT_FAILURE)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import Any
 
@@ -62,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
     from jaxmp.recipes.gpt_config import load_config
 
     config = load_config(args.config, overrides=args.set or [])
+    # Orbax reports a failed background write as absl ERROR lines with tracebacks; jaxmp
+    # reports it itself, in one line (jaxmp.train.checkpointing).
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
     simulate(args.simulate_devices)
     add_xla_flags(config.xla.flags)
     _init_distributed(args)

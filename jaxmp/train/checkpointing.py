@@ -12,7 +12,9 @@ Saves are asynchronous by default: ``save`` returns once the arrays are copied t
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -21,11 +23,13 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from jaxmp._util.arrays import tree_bytes
+from jaxmp._util.fmt import fmt_bytes
 from jaxmp._util.log import say
 from jaxmp.checkpoint import records as tree
 from jaxmp.checkpoint import store
 from jaxmp.config import CheckpointConfig, TrainerConfig, config_to_toml
-from jaxmp.errors import CheckpointError
+from jaxmp.errors import CheckpointError, CheckpointWriteError
 
 
 def _all_agree(ok: bool) -> bool:
@@ -72,6 +76,9 @@ class TrainCheckpointer:
         self.shardings = dict(zip(self.paths, shardings))
         self.manager = None
         self.last_saved: int | None = None
+        self.pending: int | None = None  # the step whose (async) write may still be running
+        self.failed = False
+        self.state_bytes = tree_bytes(layout.abstract)
 
     @property
     def enabled(self) -> bool:
@@ -153,13 +160,46 @@ class TrainCheckpointer:
                 f"not overwriting it")
             self.last_saved = step
             return False
+        self._check_space(step)
         items = tree.entries(state, self.path_rules)
         meta = store.make_meta(step, items)
         get_state = getattr(data_iter, "get_state", None)
-        self.manager.save(step, force=True, args=store.save_args(
-            tree.to_pure(items), meta, self._run_info(), get_state() if get_state else None))
-        self.last_saved = step
+        with self._writing(step):  # also reports a failure of the previous async write
+            self.manager.save(step, force=True, args=store.save_args(
+                tree.to_pure(items), meta, self._run_info(), get_state() if get_state else None))
+        self.last_saved = self.pending = step
         return True
+
+    def _check_space(self, step: int) -> None:
+        """Refuse a save the disk cannot hold, before writing anything (all processes agree)."""
+        where = next(p for p in (self.dir, *self.dir.parents) if p.exists())
+        free = shutil.disk_usage(where).free
+        if not _all_agree(free >= self.state_bytes):
+            self.failed = True
+            raise CheckpointWriteError(
+                f"not enough disk space to save checkpoint step {step} in {self.dir}: it needs "
+                f"about {fmt_bytes(self.state_bytes)}, {fmt_bytes(free)} are free; "
+                f"{self._newest()}")
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None) -> Iterator[None]:
+        """Turn a failed write (disk full, quota, I/O error) into one clear error and remove
+        the partial save it left."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - Orbax / TensorStore raise many types
+            self.failed = True
+            failed_step, cause = store.write_failure(e)
+            if jax.process_index() == 0:
+                store.remove_partial(self.dir)
+            raise CheckpointWriteError(
+                f"saving checkpoint step {failed_step or self.pending or step} in {self.dir} "
+                f"failed: {cause}; the partial save was removed, {self._newest()}") from None
+
+    def _newest(self) -> str:
+        steps = store.complete_steps(self.dir)
+        return f"the newest complete checkpoint is step {steps[-1]}" if steps else \
+            "there is no complete checkpoint yet"
 
     def _run_info(self) -> dict[str, Any]:
         plan = None
@@ -168,11 +208,18 @@ class TrainCheckpointer:
         return {"config_toml": self.config_toml, "plan": plan}
 
     def close(self) -> None:
-        """Wait for a pending async save to be committed, then release the manager."""
-        if self.manager is not None:
-            self.manager.wait_until_finished()
-            self.manager.close()
-            self.manager = None
+        """Wait for a pending async save to be committed, then release the manager (after a
+        failed write: release it without waiting, the failure is already reported)."""
+        manager, self.manager = self.manager, None
+        if manager is None:
+            return
+        if self.failed:
+            with contextlib.suppress(Exception):
+                manager.close()
+            return
+        with self._writing(self.pending):
+            manager.wait_until_finished()
+        manager.close()
 
 
 def resume_iterator(data: Iterable, resumed: Resumed | None) -> Iterator:

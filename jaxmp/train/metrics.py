@@ -21,6 +21,7 @@ from tensorboardX import SummaryWriter
 
 from jaxmp._util.io import atomic_write
 from jaxmp.devices import profile_for
+from jaxmp.errors import Failure
 
 
 def total_peak_flops(devices: Sequence[Any]) -> float:
@@ -78,8 +79,15 @@ class MetricsWriter:
         for k, v in scalars.items():
             v = float(v) if not isinstance(v, (str, bool)) else v
             record[k] = v if not (isinstance(v, float) and math.isnan(v)) else None
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        end = self._file.tell()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as e:  # e.g. the disk is full: never leave half a line behind
+            self._file = None
+            with open(self.path, "r+b") as f:
+                f.truncate(end)
+            raise Failure(f"cannot write {self.path}: {e.strerror or e}") from None
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):

@@ -367,13 +367,13 @@ def save_args(pure: Mapping[str, Any], meta: Mapping[str, Any], run: Mapping[str
     return ocp.args.Composite(**items)
 
 
-def make_meta(step: int, items: Sequence[tree.Entry]) -> dict:
-    """The ``meta`` item of a step: format, mesh, and per array its record and checksum.
-
-    On several processes every process must call it (checksums are global reductions).
-    """
+def make_meta(step: int, items: Sequence[tree.Entry],
+              sums: Sequence[str | None] | None = None) -> dict:
+    """The ``meta`` item of a step: format, mesh, and per array its record and checksum
+    (``sums``, or computed here: on several processes every process must call it then)."""
     records = {e.path: tree.record(e) for e in items}
-    sums = checksum.checksums([tree.stored_value(e.value) for e in items])
+    if sums is None:
+        sums = checksum.checksums([tree.stored_value(e.value) for e in items])
     for rec, value in zip(records.values(), sums):
         rec[checksum.KEY] = value
     return {"format": FORMAT, "step": int(step), "time": time.time(),

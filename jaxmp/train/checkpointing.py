@@ -26,10 +26,12 @@ import numpy as np
 from jaxmp._util.arrays import tree_bytes
 from jaxmp._util.fmt import fmt_bytes
 from jaxmp._util.log import say
+from jaxmp.checkpoint import checksum
 from jaxmp.checkpoint import records as tree
 from jaxmp.checkpoint import store
 from jaxmp.config import CheckpointConfig, TrainerConfig, config_to_toml
 from jaxmp.errors import CheckpointError, CheckpointWriteError
+from jaxmp.train.guard import NonFiniteError
 
 
 def _all_agree(ok: bool) -> bool:
@@ -79,6 +81,11 @@ class TrainCheckpointer:
         self.pending: int | None = None  # the step whose (async) write may still be running
         self.failed = False
         self.state_bytes = tree_bytes(layout.abstract)
+        # finite? and checksum of every array, compiled now (see checksum.ArrayStats)
+        self.stats = checksum.ArrayStats([jax.ShapeDtypeStruct(
+            jax.eval_shape(tree.stored_value, e.value).shape,
+            jax.eval_shape(tree.stored_value, e.value).dtype, sharding=self.shardings[e.path])
+            for e in abstract]) if self.enabled else None
 
     @property
     def enabled(self) -> bool:
@@ -162,7 +169,14 @@ class TrainCheckpointer:
             return False
         self._check_space(step)
         items = tree.entries(state, self.path_rules)
-        meta = store.make_meta(step, items)
+        finite, sums = self.stats([tree.stored_value(e.value) for e in items])
+        bad = [e.path for e, ok in zip(items, finite) if not ok]
+        if bad:  # e.g. an update that overflowed: never write NaN/inf
+            raise NonFiniteError(
+                f"the state after step {step} holds non-finite values (in {bad[0]}"
+                f"{f' and {len(bad) - 1} more arrays' if len(bad) > 1 else ''}); it was not "
+                f"saved. Lower optimizer.lr")
+        meta = store.make_meta(step, items, sums)
         get_state = getattr(data_iter, "get_state", None)
         with self._writing(step):  # also reports a failure of the previous async write
             self.manager.save(step, force=True, args=store.save_args(
@@ -174,7 +188,7 @@ class TrainCheckpointer:
         """Refuse a save the disk cannot hold, before writing anything (all processes agree)."""
         where = next(p for p in (self.dir, *self.dir.parents) if p.exists())
         free = shutil.disk_usage(where).free
-        if not _all_agree(free >= self.state_bytes):
+        if free < self.state_bytes:  # the run dir is shared storage: every process sees this
             self.failed = True
             raise CheckpointWriteError(
                 f"not enough disk space to save checkpoint step {step} in {self.dir}: it needs "

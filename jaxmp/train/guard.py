@@ -10,7 +10,8 @@ the skip. With everything finite the ``where`` picks the new arrays bit for bit.
 After ``train.max_skipped`` consecutive skips the guard *latches*: every later step is skipped
 too, so the state stays the last finite one until the host looks — at a logged step, before a
 checkpoint is written, at the end — and stops the run (:class:`NonFiniteError`, exit 1). The
-host never waits on the device every step for this, and a latched state is never saved.
+host never waits on the device every step for this, and a latched state is never saved (nor,
+checked at every save by :mod:`jaxmp.train.checkpointing`, any state holding NaN/inf).
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxmp.checkpoint import records
 from jaxmp.errors import Failure
 
 KEY = "guard"  # the guard's entry in TrainState.extra
@@ -47,7 +46,6 @@ class NonFiniteGuard:
         if max_skipped < 1:
             raise ValueError(f"max_skipped must be >= 1, got {max_skipped}")
         self.max_skipped = max_skipped
-        self._finite: Any = None  # the jitted all-finite check, built at the first save
 
     def apply(self, old: Any, new: Any, loss: jax.Array,
               grad_norm: jax.Array) -> tuple[Any, dict[str, jax.Array]]:
@@ -80,28 +78,6 @@ class NonFiniteGuard:
             f"updates were skipped and the run stopped with the state of step {first - 1} "
             f"(nothing non-finite was saved); lower optimizer.lr or check the data of those "
             f"steps")
-
-    def check_saveable(self, state: Any) -> None:
-        """Before a checkpoint: refuse a latched state, or one holding any NaN/inf.
-
-        The step guard looks at the loss and gradients; an update can still overflow (an
-        absurd learning rate), so what is about to be written is checked too (one fused
-        reduction on the devices, next to a save that reads every array anyway).
-        """
-        self.check(state)
-        floats = [(e.path, e.value) for e in records.entries(state)
-                  if jnp.issubdtype(e.value.dtype, jnp.inexact)]
-        if not floats:
-            return
-        if self._finite is None:
-            self._finite = jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))
-        flags = np.asarray(self._finite([x for _, x in floats]))
-        if not flags.all():
-            bad = [p for (p, _), ok in zip(floats, flags) if not ok]
-            raise NonFiniteError(
-                f"the state after step {int(state.step)} holds non-finite values (in {bad[0]}"
-                f"{f' and {len(bad) - 1} more arrays' if len(bad) > 1 else ''}); it was not "
-                f"saved. Lower optimizer.lr")
 
     @staticmethod
     def record(metrics: dict[str, Any]) -> dict[str, float]:

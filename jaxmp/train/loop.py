@@ -133,7 +133,7 @@ class Trainer:
         if self.is_main:
             make_dir(self.run_dir, "run directory")  # a path that cannot be one: bad input
         ckpt = TrainCheckpointer(self.run_dir, cfg, self.layout, self.path_rules,
-                                 before_save=self.guard.check_saveable)  # never save NaN/inf
+                                 before_save=self.guard.check)  # never save a latched state
         resumed = ckpt.restore() if self.state is None else None  # newest readable checkpoint
         self._write_run_files()  # only once a checkpoint that does not fit has been refused
         if resumed is not None:

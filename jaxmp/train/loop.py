@@ -25,7 +25,7 @@ from jaxmp.config import TrainerConfig, config_to_toml
 from jaxmp.cost import ModelCost
 from jaxmp.data import to_global
 from jaxmp.plan import Plan
-from jaxmp.train import checks, guard
+from jaxmp.train import checks, guard, peers
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
 from jaxmp.train.metrics import MetricsWriter, Profiler, Progress, total_peak_flops
 from jaxmp.train.optimizer import make_optimizer, make_schedule
@@ -144,8 +144,10 @@ class Trainer:
         data_iter = resume_iterator(self.data, resumed)  # continues the stream after a resume
         batch = self._next_global(data_iter)
         step_fn = self.compile(batch)  # the same executable runs the steps and reports its cost
-        eval_fn = make_eval_step(self.layout, self.loss_fn, batch, self.rules) \
+        eval_fn = make_eval_step(self.layout, self.loss_fn, batch, self.rules).lower(
+            self.layout.abstract, batch).compile() \
             if self.eval_data is not None and t.eval_every > 0 else None
+        peers.align("compiled")  # several processes: all compiled before any program runs
         tokens = int(np.prod(batch["inputs"].shape)) if "inputs" in batch else \
             int(jax.tree.leaves(batch)[0].shape[0])
         flops = self._flops_per_step(step_fn, tokens)

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import NoReturn
 
 import jax
+from jax._src import distributed as jax_distributed
+from jax.experimental import multihost_utils
 
 from jaxmp.checkpoint import store
 
@@ -35,6 +37,7 @@ HEARTBEAT_TIMEOUT_S = 30  # JAX's default is 100 s; a lost process must be notic
 _LOST = ("gloo", "connection reset", "connection closed", "connection refused",
          "socket closed", "broken pipe", "heartbeat", "unavailable", "coordination service")
 _joined: dict[str, object] = {}
+_barriers: dict[str, int] = {}
 
 
 def join(coordinator: str | None = None, num_processes: int | None = None,
@@ -50,6 +53,24 @@ def join(coordinator: str | None = None, num_processes: int | None = None,
     jax.distributed.initialize(coordinator, num_processes, process_id,
                                heartbeat_timeout_seconds=heartbeat_timeout_s)
     _joined.update(run_dir=run_dir, processes=jax.process_count())
+
+
+def align(name: str, timeout_s: int = 1800) -> None:
+    """Wait until every process gets here, through JAX's coordination service.
+
+    Call it before the first run of newly compiled cross-process programs: gloo gives the
+    processes 30 s to meet in a new program, so one that compiles slowly (a loaded host)
+    would make the others fail. A service barrier waits up to ``timeout_s`` and still fails
+    at once when a process is lost. No-op on one process.
+    """
+    if jax.process_count() == 1:
+        return
+    client = getattr(jax_distributed.global_state, "client", None)  # no public API in jax 0.10
+    _barriers[name] = _barriers.get(name, 0) + 1
+    if client is None or not hasattr(client, "wait_at_barrier"):
+        multihost_utils.sync_global_devices(f"jaxmp:{name}")
+        return
+    client.wait_at_barrier(f"jaxmp:{name}:{_barriers[name]}", timeout_in_ms=timeout_s * 1000)
 
 
 def joined() -> bool:

@@ -25,6 +25,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
                    help="multi-process: seconds without heartbeats after which a process "
                         "counts as lost and the others stop (default %(default)s)")
+    t.add_argument("--join-timeout", type=int, default=300, metavar="S",
+                   help="multi-process: seconds to wait at start-up for every process to "
+                        "join (default %(default)s)")
     t.set_defaults(func=run)
     return t
 
@@ -50,12 +53,14 @@ def _init_distributed(args: argparse.Namespace) -> None:
         return
     if explicit and (args.num_processes is None or args.process_id is None):
         raise UsageError("--coordinator needs --num-processes and --process-id")
-    if args.heartbeat_timeout < 1:
-        raise UsageError(f"--heartbeat-timeout must be >= 1, got {args.heartbeat_timeout}")
+    for flag in ("heartbeat_timeout", "join_timeout"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     from jaxmp.train import peers
 
     peers.join(args.coordinator, args.num_processes, args.process_id,
-               heartbeat_timeout_s=args.heartbeat_timeout, run_dir=args.run_dir)
+               heartbeat_timeout_s=args.heartbeat_timeout, join_timeout_s=args.join_timeout,
+               run_dir=args.run_dir)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -42,15 +42,17 @@ _barriers: dict[str, int] = {}
 
 def join(coordinator: str | None = None, num_processes: int | None = None,
          process_id: int | None = None, *, heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
-         run_dir: str | os.PathLike | None = None) -> None:
+         join_timeout_s: int = 300, run_dir: str | os.PathLike | None = None) -> None:
     """``jax.distributed.initialize`` (explicit, or auto-detected when all are None) with a
-    short heartbeat; gloo collectives on CPU. ``run_dir`` names the last checkpoint in
-    messages."""
+    short heartbeat; gloo collectives on CPU. ``join_timeout_s``: how long to wait for every
+    process at start-up (a process lost before it joined is noticed only then). ``run_dir``
+    names the last checkpoint in messages."""
     if heartbeat_timeout_s < 1:
         raise ValueError(f"the heartbeat timeout must be >= 1 s, got {heartbeat_timeout_s}")
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes, process_id,
+                               initialization_timeout=join_timeout_s,
                                heartbeat_timeout_seconds=heartbeat_timeout_s)
     _joined.update(run_dir=run_dir, processes=jax.process_count())
 

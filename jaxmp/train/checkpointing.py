@@ -185,11 +185,12 @@ class TrainCheckpointer:
         return True
 
     def _check_space(self, step: int) -> None:
-        """Refuse a save the disk cannot hold, before writing anything (all processes agree)."""
+        """Refuse a save the disk cannot hold, before writing anything. The run dir is shared
+        storage, so every process sees the same free space and refuses alike; a pending
+        async save is still waited for by :meth:`close`."""
         where = next(p for p in (self.dir, *self.dir.parents) if p.exists())
         free = shutil.disk_usage(where).free
-        if free < self.state_bytes:  # the run dir is shared storage: every process sees this
-            self.failed = True
+        if free < self.state_bytes:
             raise CheckpointWriteError(
                 f"not enough disk space to save checkpoint step {step} in {self.dir}: it needs "
                 f"about {fmt_bytes(self.state_bytes)}, {fmt_bytes(free)} are free; "

@@ -34,6 +34,10 @@ class DataError(BadInput):
     """Bad data input (missing file, wrong vocab, a batch that does not split)."""
 
 
+class RunDirError(BadInput):
+    """A run (or output) directory that cannot be created or written."""
+
+
 class CheckpointError(BadInput):
     """Bad checkpoint input (missing directory, unknown step, a checkpoint that does not fit)."""
 
@@ -48,6 +52,10 @@ class UnknownDeviceError(BadInput):
 
 class PlanError(BadInput):
     """The request cannot be planned (bad device count, axes that cannot fit, unknown device)."""
+
+
+class CheckpointWriteError(Failure):
+    """A checkpoint could not be written (disk full, quota, I/O error); nothing partial is kept."""
 
 
 class VerifyError(Failure):

@@ -109,8 +109,7 @@ def bench_checkpoint(folder: Path, state, mesh, repeats: int,
 
     path_rules = [(r"^params/w", ("embed", "mlp"))]
     items = tree.entries(state, path_rules)
-    records = {e.path: tree.record(e) for e in items}
-    meta = store.make_meta(1, records, tree.saved_mesh([e.value for e in items]))
+    meta = store.make_meta(1, items)
     res: dict[str, list[float]] = {k: [] for k in (
         "save_sync_s", "save_fsync_s", "restore_cold_s", "restore_warm_s", "restore_1dev_cold_s",
         "async_block_s", "async_total_s")}

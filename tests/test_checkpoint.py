@@ -49,6 +49,7 @@ def test_checkpoint_describes_itself(saved):
     assert meta["mesh"] == {"data": 1, "stage": 1, "fsdp": 2, "tensor": 4}
     assert meta["devices"] == 8 and meta["processes"] == 1
     embed = meta["arrays"]["params/embed"]
+    assert len(embed.pop("checksum")) == 16  # see test_safe_load.py
     assert embed == {"shape": [256, 64], "dtype": "float32", "names": ["vocab", "embed"],
                      "spec": ["tensor", "fsdp"], "bytes": 256 * 64 * 4}
     assert meta["arrays"]["opt_state/1/0/mu/out"]["names"] == ["embed", "vocab"]

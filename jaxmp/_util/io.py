@@ -7,6 +7,8 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from jaxmp.errors import RunDirError
+
 
 def atomic_write(path: str | os.PathLike, data: str | bytes | Iterable[bytes]) -> Path:
     """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``.
@@ -28,4 +30,26 @@ def atomic_write(path: str | os.PathLike, data: str | bytes | Iterable[bytes]) -
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return path
+
+
+def make_dir(path: str | os.PathLike, what: str = "directory") -> Path:
+    """Create ``path`` (and its parents) and check that files can be written in it.
+
+    Anything in the way — a file where a folder should be, no permission, a read-only or full
+    disk — is a :class:`~jaxmp.errors.RunDirError` naming the path, before any work starts.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".jaxmp-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+        raise RunDirError(f"{what} {path} cannot be created: {blocker} is a file") from None
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+        raise RunDirError(f"{what} {path} cannot be created or written: "
+                          f"{e.strerror or e}{where}") from None
     return path

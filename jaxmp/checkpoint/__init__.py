@@ -20,7 +20,9 @@ pieces, none of which knows the trainer:
 - :mod:`jaxmp.checkpoint.api`: ``restore``, ``save``, ``info``, ``list_steps``,
   ``logical_names``;
 - :mod:`jaxmp.checkpoint.inspect`: digests, ``jaxmp ckpt list|inspect`` reports and the
-  safetensors export.
+  safetensors export;
+- :mod:`jaxmp.checkpoint.checksum`: per-array checksums written with every step and checked on
+  every read, so damaged bytes are refused instead of read as numbers.
 
 The trainer's side (resume, periodic saves) is :mod:`jaxmp.train.checkpointing`.
 
@@ -28,7 +30,8 @@ On disk a run's ``checkpoints/<step>/`` holds the Orbax items
 
 - ``state``: the arrays (Orbax PyTree, OCDBT), written shard by shard by every process;
 - ``meta``: JSON, the format version, step, saved mesh and, per array path, shape, dtype,
-  logical names and saved PartitionSpec;
+  logical names, saved PartitionSpec and checksum (validated field by field on reading:
+  checkpoints are data, never code);
 - ``run``: JSON, the effective config as TOML text and the plan;
 - ``data``: JSON, the data iterator's state (absent when the data has none).
 """

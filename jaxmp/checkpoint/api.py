@@ -42,7 +42,7 @@ def restore(path: str | os.PathLike, step: int | None = None, mesh: jax.sharding
         meta = store.read_meta(step_dir)
         records = _select(meta["arrays"], what, step_dir)
         target = tree.target(records, tree.shardings_on(records, mesh, rules))
-        flat = tree.flat_paths(store.restore_arrays(step_dir, target))
+        flat = tree.flat_paths(store.restore_arrays(step_dir, target, records))
         for p, rec in records.items():  # layer stacks stored padded over pipeline stages
             if rec.get("rows") is not None:
                 plain = tree.plain_record(rec)
@@ -85,8 +85,7 @@ def save(directory: str | os.PathLike, step: int, state: Any, *,
     """
     ckdir = Path(directory)
     items = tree.entries(state, path_rules, names)
-    records = {e.path: tree.record(e) for e in items}
-    meta = store.make_meta(step, records, tree.saved_mesh([e.value for e in items]))
+    meta = store.make_meta(step, items)
     run = {"config_toml": config_toml, "plan": None} if config_toml is not None else None
     manager = store.open_manager(ckdir, keep=keep or 2**31 - 1, async_save=False)
     try:

@@ -199,12 +199,14 @@ def mismatch(stored: Mapping[str, Mapping[str, Any]], expected: Mapping[str, Map
     (or another split) of the same model."""
     stored = {p: plain_record(r) for p, r in stored.items()}
     expected = {p: plain_record(r) for p, r in expected.items()}
-    for path in expected:
-        if path not in stored:
-            return f"{path} is in the model but not in the checkpoint"
-    for path in stored:
-        if path not in expected:
-            return f"{path} is in the checkpoint but not in the model"
+    missing = [p for p in expected if p not in stored]
+    extra = [p for p in stored if p not in expected]
+    if missing or extra:
+        parts = [f"{len(paths)} {what} (e.g. {next((p for p in paths if 'params' in p), paths[0])})"
+                 for paths, what in ((missing, "arrays of the model are not in the checkpoint"),
+                                     (extra, "arrays of the checkpoint are not in the model"))
+                 if paths]
+        return "; ".join(parts)
     for path, rec in expected.items():
         for key in ("shape", "dtype"):
             if stored[path][key] != rec[key]:  # both JSON-shaped: lists and strings

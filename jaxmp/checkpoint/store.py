@@ -13,15 +13,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxmp.checkpoint import checksum
+from jaxmp.checkpoint import records as tree
 from jaxmp.checkpoint.records import nest
 from jaxmp.errors import CheckpointError, DamagedCheckpoint
 
@@ -35,6 +38,12 @@ REQUIRED_ITEMS = ("state", "meta")
 COMPRESS = False
 _ASIDE = re.compile(r"^(\d+)\.(damaged|incomplete)(-\d+)?$")
 _TMP = re.compile(r"^(\d+)" + re.escape(TMP_MARK))
+_PATH = re.compile(r"[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*")
+_NAME = re.compile(r"[A-Za-z0-9_]+")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+# The dtypes a checkpoint may hold: numbers and booleans only (never "object").
+DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+          "float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
 T = TypeVar("T")
 
 
@@ -204,22 +213,74 @@ def read_json(step_dir: Path, item: str, missing_ok: bool = False) -> Any:
 
 
 def read_meta(step_dir: Path) -> dict[str, Any]:
+    """The step's ``meta`` item, checked field by field (it is data, never code: a value of
+    an unexpected type or an unknown dtype makes the step damaged, nothing else)."""
     meta = read_json(step_dir, "meta")
     fmt = meta.get("format") if isinstance(meta, dict) else None
     if fmt != FORMAT or "arrays" not in meta:
         raise CheckpointError(f"checkpoint {step_dir} was not written by jaxmp "
                               f"(meta format {fmt!r}, expected {FORMAT!r})")
+    problem = _meta_problem(meta)
+    if problem:
+        raise DamagedCheckpoint(f"checkpoint {step_dir} has an invalid meta item: {problem}")
     return meta
 
 
-def restore_arrays(step_dir: Path, target: Mapping[str, Any]) -> dict[str, Any]:
-    """Read the arrays named by ``target`` (nested ShapeDtypeStructs with shardings).
+def _meta_problem(meta: Mapping[str, Any]) -> str | None:
+    """The first field of ``meta`` with an unexpected type or value, as a phrase, or None."""
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not is_int(meta.get("step")):
+        return f"step is {_brief(meta.get('step'))}, expected an integer"
+    arrays = meta["arrays"]
+    if not isinstance(arrays, dict) or not arrays:
+        return f"arrays is {_brief(arrays)}, expected a non-empty table"
+    for path, rec in arrays.items():
+        where = f"arrays[{path!r}]"
+        if not _PATH.fullmatch(path) or ".." in path.split("/"):
+            return f"array path {path!r} is not a plain name/name/... path"
+        if not isinstance(rec, dict):
+            return f"{where} is {_brief(rec)}, expected a table"
+        shape, dtype, names = rec.get("shape"), rec.get("dtype"), rec.get("names")
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
+            return f"{where}.shape is {_brief(shape)}, expected a list of sizes"
+        if dtype not in DTYPES:
+            return f"{where}.dtype is {_brief(dtype)}, expected one of {', '.join(DTYPES)}"
+        if names is not None and not (isinstance(names, list) and len(names) <= len(shape) and
+                                      all(n is None or isinstance(n, str) for n in names)):
+            return f"{where}.names is {_brief(names)}, expected a list of names or null"
+        spec = rec.get("spec")
+        if spec is not None and not (isinstance(spec, list) and all(
+                e is None or isinstance(e, str) or (isinstance(e, list) and all(
+                    isinstance(a, str) for a in e)) for e in spec)):
+            return f"{where}.spec is {_brief(spec)}, expected a PartitionSpec as a list"
+        impl, sums = rec.get("prng_impl"), rec.get(checksum.KEY)
+        if impl is not None and not (isinstance(impl, str) and _NAME.fullmatch(impl)):
+            return f"{where}.prng_impl is {_brief(impl)}, expected a PRNG implementation name"
+        if sums is not None and not (isinstance(sums, str) and _HEX16.fullmatch(sums)):
+            return f"{where}.{checksum.KEY} is {_brief(sums)}, expected 16 hex digits"
+    return None
+
+
+def _brief(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def restore_arrays(step_dir: Path, target: Mapping[str, Any],
+                   records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Read the arrays named by ``target`` (nested ShapeDtypeStructs with shardings) and check
+    each against its record's checksum (:mod:`jaxmp.checkpoint.checksum`).
 
     Partial restore: arrays not in the target (e.g. the optimizer state when only the params
     are wanted) are not read at all.
     """
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    return _restore(step_dir, target, restore_args)
+    out = _restore(step_dir, target, restore_args)
+    flat = tree.flat_paths(out)
+    checksum.verify(str(step_dir), records, list(flat), checksum.checksums(list(flat.values())))
+    return out
 
 
 def read_numpy(step_dir: Path, path: str, record: Mapping[str, Any]) -> np.ndarray:
@@ -229,7 +290,9 @@ def read_numpy(step_dir: Path, path: str, record: Mapping[str, Any]) -> np.ndarr
                    nest({path: ocp.RestoreArgs(restore_type=np.ndarray)}))
     for key in path.split("/"):
         out = out[key]
-    return np.asarray(out)
+    out = np.asarray(out)
+    checksum.verify(str(step_dir), {path: record}, [path], [checksum.checksum_numpy(out)])
+    return out
 
 
 def _restore(step_dir: Path, target: Any, restore_args: Any) -> dict[str, Any]:
@@ -248,6 +311,31 @@ def _one_line(e: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------- writing
+
+
+def remove_partial(ckdir: Path) -> list[Path]:
+    """Delete every interrupted save (Orbax tmp folder) in ``ckdir``; returns what went."""
+    gone = []
+    for info in scan(ckdir, sizes=False):
+        if _TMP.match(info.path.name):
+            shutil.rmtree(info.path, ignore_errors=True)
+            gone.append(info.path)
+    return gone
+
+
+def write_failure(error: BaseException) -> tuple[int | None, str]:
+    """(step, cause) of a failed write as Orbax / TensorStore report it: the step from the tmp
+    folder's name when it appears, the cause as the OS error's text when there is one."""
+    text = " ".join(str(error).split())
+    step = re.search(r"/(\d+)" + re.escape(TMP_MARK), text)
+    code = re.search(r"os_error_code='?(\d+)", text)
+    if code:
+        cause = f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"
+    elif isinstance(error, OSError) and error.strerror:
+        cause = error.strerror
+    else:
+        cause = text if len(text) <= 200 else text[:197] + "..."
+    return (int(step.group(1)) if step else None), cause
 
 
 def open_manager(ckdir: Path, *, keep: int, keep_period: int = 0, async_save: bool = True,
@@ -279,7 +367,16 @@ def save_args(pure: Mapping[str, Any], meta: Mapping[str, Any], run: Mapping[str
     return ocp.args.Composite(**items)
 
 
-def make_meta(step: int, records: Mapping[str, Any], mesh: Mapping[str, int] | None) -> dict:
-    return {"format": FORMAT, "step": int(step), "time": time.time(), "mesh": mesh,
-            "devices": jax.device_count(), "processes": jax.process_count(),
-            "platform": jax.devices()[0].platform, "arrays": dict(records)}
+def make_meta(step: int, items: Sequence[tree.Entry],
+              sums: Sequence[str | None] | None = None) -> dict:
+    """The ``meta`` item of a step: format, mesh, and per array its record and checksum
+    (``sums``, or computed here: on several processes every process must call it then)."""
+    records = {e.path: tree.record(e) for e in items}
+    if sums is None:
+        sums = checksum.checksums([tree.stored_value(e.value) for e in items])
+    for rec, value in zip(records.values(), sums):
+        rec[checksum.KEY] = value
+    return {"format": FORMAT, "step": int(step), "time": time.time(),
+            "mesh": tree.saved_mesh([e.value for e in items]), "devices": jax.device_count(),
+            "processes": jax.process_count(), "platform": jax.devices()[0].platform,
+            "arrays": records}

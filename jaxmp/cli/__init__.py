@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from jaxmp.cli import ckpt, data, plan, sample, train
-from jaxmp.errors import BadInput
+from jaxmp.errors import BadInput, Failure
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
@@ -41,13 +41,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except (BadInput, FileNotFoundError) as e:
         print(f"jaxmp: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _leave(EXIT_BAD_INPUT)
     except KeyboardInterrupt:
         print("jaxmp: interrupted", file=sys.stderr)
-        return 130
+        return _leave(130)
     except Exception as e:  # noqa: BLE001 - a runtime failure: one line, the traceback on request
         if os.environ.get("JAXMP_DEBUG"):
             raise
-        print(f"jaxmp: failed: {type(e).__name__}: {e} (set JAXMP_DEBUG=1 for the traceback)",
-              file=sys.stderr)
-        return EXIT_FAILURE
+        peers = _peers()
+        lost = peers.failure_line(e) if peers else None
+        what = f"{e}" if isinstance(e, Failure) else \
+            f"{type(e).__name__}: {e} (set JAXMP_DEBUG=1 for the traceback)"
+        print(f"jaxmp: failed: {lost or what}", file=sys.stderr)
+        return _leave(EXIT_FAILURE)
+
+
+def _peers():
+    """:mod:`jaxmp.train.peers` if this process joined a multi-process run, else None (looked
+    up, not imported: the CLI never imports jax itself)."""
+    peers = sys.modules.get("jaxmp.train.peers")
+    return peers if peers is not None and peers.joined() else None
+
+
+def _leave(code: int) -> int:
+    """A failed process of a multi-process run exits at once: a normal exit would wait in
+    JAX's shutdown barrier for every process, including one that is gone."""
+    peers = _peers()
+    if peers is not None:
+        peers.leave(code)
+    return code

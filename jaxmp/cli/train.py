@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import Any
 
@@ -21,6 +22,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="multi-process: address of process 0")
     t.add_argument("--num-processes", type=int, default=None)
     t.add_argument("--process-id", type=int, default=None)
+    t.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
+                   help="multi-process: seconds without heartbeats after which a process "
+                        "counts as lost and the others stop (default %(default)s)")
+    t.add_argument("--join-timeout", type=int, default=300, metavar="S",
+                   help="multi-process: seconds to wait at start-up for every process to "
+                        "join (default %(default)s)")
     t.set_defaults(func=run)
     return t
 
@@ -39,21 +46,21 @@ def simulate(n: int | None) -> None:
 
 def _init_distributed(args: argparse.Namespace) -> None:
     """Join a multi-process run: explicit flags, or auto-detected under SLURM / Open MPI."""
-    import jax
-
     explicit = args.coordinator is not None
     slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ
     mpi = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
     if not (explicit or slurm or mpi):
         return
-    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if explicit:
-        if args.num_processes is None or args.process_id is None:
-            raise UsageError("--coordinator needs --num-processes and --process-id")
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    else:
-        jax.distributed.initialize()
+    if explicit and (args.num_processes is None or args.process_id is None):
+        raise UsageError("--coordinator needs --num-processes and --process-id")
+    for flag in ("heartbeat_timeout", "join_timeout"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    from jaxmp.train import peers
+
+    peers.join(args.coordinator, args.num_processes, args.process_id,
+               heartbeat_timeout_s=args.heartbeat_timeout, join_timeout_s=args.join_timeout,
+               run_dir=args.run_dir)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     from jaxmp.recipes.gpt_config import load_config
 
     config = load_config(args.config, overrides=args.set or [])
+    # Orbax reports a failed background write as absl ERROR lines with tracebacks; jaxmp
+    # reports it itself, in one line (jaxmp.train.checkpointing).
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
     simulate(args.simulate_devices)
     add_xla_flags(config.xla.flags)
     _init_distributed(args)

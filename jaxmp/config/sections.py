@@ -75,7 +75,11 @@ class OptimizerConfig(Section):
 
 @dataclass(frozen=True)
 class TrainConfig(Section):
-    """Loop length and batch. batch_size is global, in sequences, and split over grad_accum."""
+    """Loop length and batch. batch_size is global, in sequences, and split over grad_accum.
+
+    max_skipped: a step with a non-finite loss or gradient changes nothing (it is skipped and
+    counted); this many in a row stop the run (exit 1). See :mod:`jaxmp.train.guard`.
+    """
 
     section: ClassVar[str] = "train"
     steps: int = bounded(200, ge=1)
@@ -84,6 +88,7 @@ class TrainConfig(Section):
     grad_accum: int = bounded(1, ge=1)
     eval_every: int = bounded(100, ge=0)  # 0 = no evaluation
     eval_batches: int = bounded(4, ge=1)
+    max_skipped: int = bounded(5, ge=1)  # consecutive non-finite steps skipped before stopping
 
     def _validate(self) -> None:
         require(self.batch_size % self.grad_accum == 0, "train.batch_size",

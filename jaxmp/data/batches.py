@@ -30,7 +30,7 @@ class BatchIterator:
     """
 
     def __init__(self, tokens: Tokens, *, seq_len: int, global_batch: int, seed: int,
-                 process_index: int, process_count: int) -> None:
+                 process_index: int, process_count: int, name: str | None = None) -> None:
         if seq_len < 1 or global_batch < 1:
             raise DataError(f"seq_len and global_batch must be >= 1, got {seq_len}, {global_batch}")
         if process_count < 1 or not 0 <= process_index < process_count:
@@ -40,7 +40,7 @@ class BatchIterator:
                             f"{process_count}; every process must read the same number of rows")
         self.n_windows = (tokens.n_tokens - 1) // seq_len
         if self.n_windows < 1:
-            raise DataError(f"source {tokens.label or tokens.fingerprint} has {tokens.n_tokens} "
+            raise DataError(f"{name or 'source ' + (tokens.label or tokens.fingerprint)} has {tokens.n_tokens} "
                             f"tokens, fewer than one window of seq_len + 1 = {seq_len + 1}")
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
         self.process_index, self.process_count = process_index, process_count
@@ -90,6 +90,7 @@ def make_batches(source: str, *, seq_len: int, global_batch: int, seed: int, voc
                          token_dtype=token_dtype, eval_fraction=eval_fraction)
     return BatchIterator(
         tokens, seq_len=seq_len, global_batch=global_batch, seed=seed,
+        name=f"the {split} split of data.source {source}",
         process_index=jax.process_index() if process_index is None else process_index,
         process_count=jax.process_count() if process_count is None else process_count)
 

@@ -12,21 +12,27 @@ Saves are asynchronous by default: ``save`` returns once the arrays are copied t
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
 from jaxmp import sharding
+from jaxmp._util.arrays import tree_bytes
+from jaxmp._util.fmt import fmt_bytes
 from jaxmp._util.log import say
+from jaxmp.checkpoint import checksum
 from jaxmp.checkpoint import records as tree
 from jaxmp.checkpoint import store
 from jaxmp.config import CheckpointConfig, TrainerConfig, config_to_toml
-from jaxmp.errors import CheckpointError
+from jaxmp.errors import CheckpointError, CheckpointWriteError
+from jaxmp.train.guard import NonFiniteError
 
 
 def _all_agree(ok: bool) -> bool:
@@ -54,8 +60,12 @@ class TrainCheckpointer:
     """Checkpoints of one run directory for a state with ``layout`` (see :mod:`jaxmp.train.state`)."""
 
     def __init__(self, run_dir: str | Path, config: TrainerConfig, layout: Any,
-                 path_rules: Sequence | None = None, rules: Sequence | None = None):
+                 path_rules: Sequence | None = None, rules: Sequence | None = None,
+                 before_save: Callable[[Any], None] | None = None):
+        """``before_save(state)`` runs before every save and may raise to refuse it (the
+        non-finite guard does, for a latched state)."""
         self.cfg: CheckpointConfig = config.checkpoint
+        self.before_save = before_save
         self.dir = Path(run_dir) / "checkpoints"
         self.layout, self.path_rules, self.rules = layout, path_rules, rules
         self.config_toml = config_to_toml(config)
@@ -69,6 +79,14 @@ class TrainCheckpointer:
         self.shardings = dict(zip(self.paths, shardings))
         self.manager = None
         self.last_saved: int | None = None
+        self.pending: int | None = None  # the step whose (async) write may still be running
+        self.failed = False
+        self.state_bytes = tree_bytes(layout.abstract)
+        # finite? and checksum of every array, compiled now (see checksum.ArrayStats)
+        self.stats = checksum.ArrayStats([jax.ShapeDtypeStruct(
+            jax.eval_shape(tree.stored_value, e.value).shape,
+            jax.eval_shape(tree.stored_value, e.value).dtype, sharding=self.shardings[e.path])
+            for e in abstract]) if self.enabled else None
 
     @property
     def enabled(self) -> bool:
@@ -120,7 +138,7 @@ class TrainCheckpointer:
         placed = {**self.shardings, **tree.shardings_on(
             {p: stored[p] for p in moved}, self.layout.mesh,
             self.rules if self.rules is not None else sharding.DEFAULT_RULES)}
-        flat = tree.flat_paths(store.restore_arrays(step_dir, tree.target(stored, placed)))
+        flat = tree.flat_paths(store.restore_arrays(step_dir, tree.target(stored, placed), stored))
         for p in moved:  # e.g. a run resumed with other pipeline stages, or without them
             flat[p] = tree.convert(flat[p], stored[p], self.expected[p], self.shardings[p])
         state = tree.rebuild(self.layout.abstract, tree.rewrap(flat, meta["arrays"]),
@@ -148,20 +166,62 @@ class TrainCheckpointer:
         due = force or (self.cfg.every > 0 and step % self.cfg.every == 0)
         if not self.enabled or not due or step == self.last_saved:
             return False
+        if self.before_save is not None:
+            self.before_save(state)
         self._open()
         if step in self.manager.all_steps():  # e.g. a state set by hand over an old run dir
             say(f"jaxmp: warning: checkpoint step {step} already exists in {self.dir}; "
                 f"not overwriting it")
             self.last_saved = step
             return False
+        self._check_space(step)
         items = tree.entries(state, self.path_rules)
-        records = {e.path: tree.record(e) for e in items}
-        meta = store.make_meta(step, records, tree.saved_mesh([e.value for e in items]))
+        finite, sums = self.stats([tree.stored_value(e.value) for e in items])
+        bad = [e.path for e, ok in zip(items, finite) if not ok]
+        if bad:  # e.g. an update that overflowed: never write NaN/inf
+            raise NonFiniteError(
+                f"the state after step {step} holds non-finite values (in {bad[0]}"
+                f"{f' and {len(bad) - 1} more arrays' if len(bad) > 1 else ''}); it was not "
+                f"saved. Lower optimizer.lr")
+        meta = store.make_meta(step, items, sums)
         get_state = getattr(data_iter, "get_state", None)
-        self.manager.save(step, force=True, args=store.save_args(
-            tree.to_pure(items), meta, self._run_info(), get_state() if get_state else None))
-        self.last_saved = step
+        with self._writing(step):  # also reports a failure of the previous async write
+            self.manager.save(step, force=True, args=store.save_args(
+                tree.to_pure(items), meta, self._run_info(), get_state() if get_state else None))
+        self.last_saved = self.pending = step
         return True
+
+    def _check_space(self, step: int) -> None:
+        """Refuse a save the disk cannot hold, before writing anything. The run dir is shared
+        storage, so every process sees the same free space and refuses alike; a pending
+        async save is still waited for by :meth:`close`."""
+        where = next(p for p in (self.dir, *self.dir.parents) if p.exists())
+        free = shutil.disk_usage(where).free
+        if free < self.state_bytes:
+            raise CheckpointWriteError(
+                f"not enough disk space to save checkpoint step {step} in {self.dir}: it needs "
+                f"about {fmt_bytes(self.state_bytes)}, {fmt_bytes(free)} are free; "
+                f"{self._newest()}")
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None) -> Iterator[None]:
+        """Turn a failed write (disk full, quota, I/O error) into one clear error and remove
+        the partial save it left."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - Orbax / TensorStore raise many types
+            self.failed = True
+            failed_step, cause = store.write_failure(e)
+            if jax.process_index() == 0:
+                store.remove_partial(self.dir)
+            raise CheckpointWriteError(
+                f"saving checkpoint step {failed_step or self.pending or step} in {self.dir} "
+                f"failed: {cause}; the partial save was removed, {self._newest()}") from None
+
+    def _newest(self) -> str:
+        steps = store.complete_steps(self.dir)
+        return f"the newest complete checkpoint is step {steps[-1]}" if steps else \
+            "there is no complete checkpoint yet"
 
     def _run_info(self) -> dict[str, Any]:
         plan = None
@@ -170,11 +230,18 @@ class TrainCheckpointer:
         return {"config_toml": self.config_toml, "plan": plan}
 
     def close(self) -> None:
-        """Wait for a pending async save to be committed, then release the manager."""
-        if self.manager is not None:
-            self.manager.wait_until_finished()
-            self.manager.close()
-            self.manager = None
+        """Wait for a pending async save to be committed, then release the manager (after a
+        failed write: release it without waiting, the failure is already reported)."""
+        manager, self.manager = self.manager, None
+        if manager is None:
+            return
+        if self.failed:
+            with contextlib.suppress(Exception):
+                manager.close()
+            return
+        with self._writing(self.pending):
+            manager.wait_until_finished()
+        manager.close()
 
 
 def resume_iterator(data: Iterable, resumed: Resumed | None) -> Iterator:

@@ -21,12 +21,13 @@ from flax import nnx
 from jaxmp import sharding
 from jaxmp._util.arrays import tree_bytes
 from jaxmp._util.fmt import fmt_bytes, mesh_str
-from jaxmp._util.io import atomic_write
+from jaxmp._util.io import atomic_write, make_dir
 from jaxmp._util.log import say
 from jaxmp.config import TrainerConfig, config_to_toml
 from jaxmp.cost import ModelCost
 from jaxmp.data import to_global
 from jaxmp.plan import Plan
+from jaxmp.train import checks, guard, peers
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
 from jaxmp.train.metrics import MetricsWriter, Profiler, Progress, total_peak_flops
 from jaxmp.train.optimizer import make_optimizer, make_schedule
@@ -75,7 +76,8 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.flops_per_token = model_flops_per_token
         self.example_batch = example_batch
-        self.extensions = dict(extensions or {})
+        self.guard = guard.NonFiniteGuard(config.train.max_skipped)
+        self.extensions = {**dict(extensions or {}), guard.KEY: self.guard.extension}
         self.rules = sharding.normalize_rules(sharding.DEFAULT_RULES if rules is None
                                               else rules)
         devices = list(devices if devices is not None else jax.devices())
@@ -83,6 +85,8 @@ class Trainer:
         self.plan = plan if plan is not None else plan_model(config, len(devices), costs,
                                                              self.rules)
         self.mesh = mesh_for(config, devices, self.plan)
+        checks.check_batch(self.mesh, self.rules, config.train.batch_size,
+                           config.train.grad_accum)  # refuse a batch the mesh cannot split
         self.is_main = jax.process_index() == 0
         self.tx = make_optimizer(config.optimizer, config.train.steps)
         self.lr_schedule = make_schedule(config.optimizer, config.train.steps)
@@ -93,6 +97,7 @@ class Trainer:
             functools.partial(to_stages, spec=pipeline, split=self.stages.split)
         self.layout = plan_state(model_fn, self.tx, self.mesh, self.rules, path_rules,
                                  self.extensions, transform)
+        checks.warn_idle_axes(self.layout, self.rules, path_rules, say)
         self.grad_fn = None if self.stages is None else make_pipeline_grad_fn(
             self.layout.graphdef, block_graphdef(abstract, pipeline), self.mesh, pipeline,
             self.stages.schedule, self.stages.split, self.rules)
@@ -111,7 +116,7 @@ class Trainer:
             raise ValueError("Trainer.compile needs a batch (or example_batch at construction)")
         step = make_train_step(self.layout, self.loss_fn, self.tx, self.lr_schedule, batch,
                                self.config.train.grad_accum, self.rules, self.config.train.seed,
-                               grad_fn=self.grad_fn)
+                               grad_fn=self.grad_fn, guard=self.guard)
         return step.lower(self.layout.abstract, batch).compile()
 
     # -- set-up -------------------------------------------------------------------------------
@@ -123,7 +128,6 @@ class Trainer:
     def _write_run_files(self, lint: sharding.LintReport) -> None:
         if not self.is_main:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(self.run_dir / "config.toml", config_to_toml(self.config))
         plan = {"mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
                 "devices": self.mesh.size, "processes": jax.process_count(),
@@ -150,10 +154,13 @@ class Trainer:
         cfg, t = self.config, self.config.train
         if self.data is None:
             raise ValueError("this Trainer was built without data; it can compile, not fit")
-        lint = self.lint()
-        self._write_run_files(lint)
-        ckpt = TrainCheckpointer(self.run_dir, cfg, self.layout, self.path_rules, self.rules)
+        if self.is_main:
+            make_dir(self.run_dir, "run directory")  # a path that cannot be one: bad input
+        ckpt = TrainCheckpointer(self.run_dir, cfg, self.layout, self.path_rules, self.rules,
+                                 before_save=self.guard.check)  # never save a latched state
         resumed = ckpt.restore() if self.state is None else None  # newest readable checkpoint
+        lint = self.lint()
+        self._write_run_files(lint)  # only once a checkpoint that does not fit has been refused
         if resumed is not None:
             self.state = resumed.state
         elif self.state is None:
@@ -163,13 +170,16 @@ class Trainer:
         batch = self._next_global(data_iter)
         step_fn = self.compile(batch)  # the same executable runs the steps and reports its cost
         eval_fn = make_eval_step(self.layout, self.loss_fn, batch, self.rules, t.seed,
-                                 grad_fn=self.grad_fn) \
+                                 grad_fn=self.grad_fn).lower(
+            self.layout.abstract, batch).compile() \
             if self.eval_data is not None and t.eval_every > 0 else None
+        peers.align("compiled")  # several processes: all compiled before any program runs
         tokens = int(np.prod(batch["inputs"].shape)) if "inputs" in batch else \
             int(jax.tree.leaves(batch)[0].shape[0])
         flops = self._flops_per_step(step_fn, tokens)
         peak = total_peak_flops(list(self.mesh.devices.flat))
-        writer = MetricsWriter(self.run_dir, self.is_main, cfg.logging.tensorboard)
+        writer = MetricsWriter(self.run_dir, self.is_main, cfg.logging.tensorboard,
+                               resume_step=start_step)  # drops lines a resume will log again
         progress = Progress(t.steps, self.is_main and cfg.logging.progress)
         progress.message(f"jaxmp: mesh {mesh_str(dict(self.mesh.shape))} on {self.mesh.size} "
                          f"{self.mesh.devices.flat[0].platform} device(s); "
@@ -197,13 +207,14 @@ class Trainer:
                     record = {"loss": loss, "tokens_per_s": tokens / dt, "step_time_s": dt,
                               "model_flops_per_step": flops, "mfu": flops / dt / peak,
                               "grad_norm": float(metrics["grad_norm"]),
-                              "lr": float(metrics["lr"])}
+                              "lr": float(metrics["lr"]), **self.guard.record(metrics)}
                     if eval_fn is not None and (done % t.eval_every == 0 or done == t.steps):
                         record["eval_loss"] = self.evaluate(eval_fn)
                     writer.write(done, record)
                     self.history.append({"step": done, **record})
                     progress.update(done, loss, record["tokens_per_s"])
                     last_log, last_time = done, time.perf_counter()
+                    self.guard.check(self.state)  # too many non-finite steps in a row: stop
                 ckpt.maybe_save(done, self.state, data_iter, force=stop or done == t.steps)
                 if stop:
                     where = f"checkpoint saved in {ckpt.dir}" if ckpt.enabled else \

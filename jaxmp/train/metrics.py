@@ -1,7 +1,9 @@
 """What a run reports: metrics.jsonl, TensorBoard events, a progress line, MFU, profiler traces.
 
 Only process 0 writes (``enabled=False`` elsewhere) so several hosts never race on one file.
-Each metrics.jsonl line is flushed as it is written: a killed run keeps every logged step.
+Each metrics.jsonl line is flushed as it is written: a killed run keeps every logged step. A
+resumed run first drops the lines past the step it resumes from (they are logged again) and a
+line cut short by a kill, so the file reads like one uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any, Sequence
 import jax
 from tensorboardX import SummaryWriter
 
+from jaxmp._util.io import atomic_write
 from jaxmp.devices import profile_for
+from jaxmp.errors import Failure
 
 
 def total_peak_flops(devices: Sequence[Any]) -> float:
@@ -37,7 +41,8 @@ def total_peak_flops(devices: Sequence[Any]) -> float:
 class MetricsWriter:
     """Appends one JSON object per logged step and mirrors scalars to TensorBoard."""
 
-    def __init__(self, run_dir: str | os.PathLike, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, run_dir: str | os.PathLike, enabled: bool = True, tensorboard: bool = True,
+                 resume_step: int | None = None):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = None
@@ -45,9 +50,27 @@ class MetricsWriter:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            self._truncate(resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), flush_secs=10)
+
+    def _truncate(self, step: int) -> None:
+        """Keep only whole lines of steps <= ``step`` (rewritten atomically if any go)."""
+        if not self.path.is_file():
+            return
+        lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        kept = []
+        for line in lines:
+            try:
+                whole = line.endswith("\n") and int(json.loads(line)["step"]) <= step
+            except (ValueError, KeyError, TypeError):
+                whole = False
+            if whole:
+                kept.append(line)
+        if len(kept) != len(lines):
+            atomic_write(self.path, "".join(kept))
 
     def write(self, step: int, scalars: dict[str, Any]) -> None:
         if not self.enabled:
@@ -56,8 +79,15 @@ class MetricsWriter:
         for k, v in scalars.items():
             v = float(v) if not isinstance(v, (str, bool)) else v
             record[k] = v if not (isinstance(v, float) and math.isnan(v)) else None
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        end = self._file.tell()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as e:  # e.g. the disk is full: never leave half a line behind
+            self._file = None
+            with open(self.path, "r+b") as f:
+                f.truncate(end)
+            raise Failure(f"cannot write {self.path}: {e.strerror or e}") from None
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmp import sharding
 from jaxmp.loss import LossFn, call_loss, split_loss
+from jaxmp.train.guard import NonFiniteGuard
 from jaxmp.train.pinning import pin_batch, pinned_layers
 from jaxmp.train.state import StateLayout, TrainState
 
@@ -123,10 +124,12 @@ def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, key: jax.A
 def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, example_batch: dict, grad_accum: int = 1,
                     rules: Sequence = sharding.DEFAULT_RULES, seed: int = 0,
-                    grad_fn: Callable | None = None) -> Callable:
+                    grad_fn: Callable | None = None,
+                    guard: NonFiniteGuard | None = None) -> Callable:
     """Return the jitted ``step(state, batch) -> (state, metrics)`` with donated state.
 
-    ``grad_fn`` replaces the plain gradient (e.g. the pipeline executor's, same contract)."""
+    ``grad_fn`` replaces the plain gradient (e.g. the pipeline executor's, same contract);
+    ``guard`` skips non-finite updates (its counters must be in the layout's ``extra``)."""
     grad_fn = grad_fn or make_grad_fn(layout, loss_fn, grad_accum, rules)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
@@ -137,6 +140,9 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step), **aux}
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rest=rest)
+        if guard is not None:  # non-finite loss or gradient: keep the old state (train/guard.py)
+            new, guarded = guard.apply(state, new, loss, metrics["grad_norm"])
+            metrics.update(guarded)
         return new, metrics
 
     replicated = NamedSharding(layout.mesh, PartitionSpec())

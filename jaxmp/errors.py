@@ -52,3 +52,7 @@ class PlanError(BadInput):
 
 class VerifyError(Failure):
     """A plan cannot be compiled here (not enough devices)."""
+
+
+class MissingDependency(Failure):
+    """An optional dependency is not installed; the message names the extra that brings it."""

@@ -26,7 +26,7 @@ from jaxmp.cost import ModelCost
 from jaxmp.data import to_global
 from jaxmp.plan import Plan
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
-from jaxmp.train.metrics import MetricsWriter, Profiler, Progress, total_peak_flops
+from jaxmp.train.metrics import MetricsWriter, Profiler, Progress, batch_tokens, total_peak_flops
 from jaxmp.train.optimizer import make_optimizer, make_schedule
 from jaxmp.train.planning import mesh_for, plan_model
 from jaxmp.train.preempt import Preemption
@@ -84,6 +84,7 @@ class Trainer:
                                  self.extensions)
         self.state: TrainState | None = None
         self.history: list[dict] = []
+        self._batch_spec = None
 
     # -- the one train step -------------------------------------------------------------------
     def compile(self, batch: Any = None) -> Any:
@@ -147,8 +148,7 @@ class Trainer:
         step_fn = self.compile(batch)  # the same executable runs the steps and reports its cost
         eval_fn = make_eval_step(self.layout, self.loss_fn, batch, self.rules, t.seed) \
             if self.eval_data is not None and t.eval_every > 0 else None
-        tokens = int(np.prod(batch["inputs"].shape)) if "inputs" in batch else \
-            int(jax.tree.leaves(batch)[0].shape[0])
+        tokens = batch_tokens(batch)
         flops = self._flops_per_step(step_fn, tokens)
         peak = total_peak_flops(list(self.mesh.devices.flat))
         writer = MetricsWriter(self.run_dir, self.is_main, cfg.logging.tensorboard)
@@ -212,5 +212,6 @@ class Trainer:
             raise RuntimeError("the data iterator ran out before train.steps was reached") from None
 
     def _to_global(self, batch: dict) -> dict:
-        return to_global(batch, self.mesh,
-                         batch_spec(self.mesh, self.rules, self.config.train.batch_size))
+        if self._batch_spec is None:  # resolved once: this runs every step
+            self._batch_spec = batch_spec(self.mesh, self.rules, self.config.train.batch_size)
+        return to_global(batch, self.mesh, self._batch_spec)

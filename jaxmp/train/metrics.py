@@ -1,4 +1,4 @@
-"""What a run reports: metrics.jsonl, TensorBoard events, a progress line, MFU, profiler traces.
+"""What a run reports: metrics.jsonl, TensorBoard events, a progress bar, MFU, profiler traces.
 
 Only process 0 writes (``enabled=False`` elsewhere) so several hosts never race on one file.
 Each metrics.jsonl line is flushed as it is written: a killed run keeps every logged step.
@@ -15,9 +15,21 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import jax
-from tensorboardX import SummaryWriter
+from rich.console import Console
+from rich.progress import BarColumn, TextColumn
+from rich.progress import Progress as RichProgress
+from tensorboardX import FileWriter
+from tensorboardX.proto.summary_pb2 import Summary
+from tensorboardX.summary import scalar as tb_scalar
 
 from jaxmp.devices import profile_for
+
+
+def batch_tokens(batch: Any) -> int:
+    """Tokens in a batch: the size of ``inputs`` if it has one, else its leading dimension."""
+    if "inputs" in batch:
+        return int(math.prod(batch["inputs"].shape))
+    return int(jax.tree.leaves(batch)[0].shape[0])
 
 
 def total_peak_flops(devices: Sequence[Any]) -> float:
@@ -47,7 +59,7 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), flush_secs=10)
+            self._tb = FileWriter(str(Path(run_dir) / "tensorboard"), flush_secs=10)
 
     def write(self, step: int, scalars: dict[str, Any]) -> None:
         if not self.enabled:
@@ -58,10 +70,11 @@ class MetricsWriter:
             record[k] = v if not (isinstance(v, float) and math.isnan(v)) else None
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, global_step=int(step))
+        if self._tb is not None:  # one event for all scalars: one trip through its queue
+            values = [v for k, x in record.items()
+                      if k != "step" and isinstance(x, (int, float)) and not isinstance(x, bool)
+                      for v in tb_scalar(k, x).value]
+            self._tb.add_summary(Summary(value=values), global_step=int(step))
 
     def close(self) -> None:
         if self._file is not None:
@@ -73,38 +86,77 @@ class MetricsWriter:
 
 
 class Progress:
-    """A one-line progress display: redrawn in place on a terminal, plain lines otherwise."""
+    """Training progress: step/total, loss, tokens/s, elapsed and ETA.
+
+    On a terminal a rich progress bar is redrawn in place (refreshed only when a step is
+    logged: no background thread competes with the loop); elsewhere (CI, a log file) each
+    update is one plain line. Messages go above the bar.
+    """
 
     def __init__(self, total_steps: int, enabled: bool = True, stream=None):
         self.total = total_steps
         self.enabled = enabled
         self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.start = time.perf_counter()
+        self._first: tuple[int, float] | None = None  # (step, time) of the first update
+        self._bar = self._task = None
+        if enabled and self.tty:
+            self._bar = RichProgress(
+                TextColumn("step {task.completed:>%d.0f}/{task.total:.0f}" % len(str(total_steps))),
+                BarColumn(), TextColumn("{task.fields[text]}"),
+                console=Console(file=self.stream, force_terminal=True, highlight=False),
+                auto_refresh=False)  # stdout/stderr writes are shown above the bar
+
+    def _eta(self, step: int, now: float) -> float | None:
+        """Seconds left at the rate since the first update (compile and warm-up excluded)."""
+        if self._first is None or step <= self._first[0]:
+            return None
+        s0, t0 = self._first
+        return (now - t0) / (step - s0) * (self.total - step)
 
     def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
         if not self.enabled:
             return
-        width = len(str(self.total))
-        elapsed = time.perf_counter() - self.start
-        line = (f"step {step:>{width}}/{self.total}  loss {loss:7.4f}  "
-                f"{tokens_per_s:10,.0f} tok/s  {elapsed:6.1f}s{extra}")
-        if self.tty:
-            self.stream.write("\r" + line + "\x1b[K")
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        now = time.perf_counter()
+        eta = self._eta(step, now)
+        if self._first is None:
+            self._first = (step, now)
+        text = (f"loss {loss:7.4f}  {tokens_per_s:10,.0f} tok/s  elapsed {_clock(now - self.start)}"
+                f"  ETA {_clock(eta) if eta is not None else '--:--'}{extra}")
+        if self._bar is None:
+            width = len(str(self.total))
+            self.stream.write(f"step {step:>{width}}/{self.total}  {text}\n")
+            self.stream.flush()
+            return
+        if self._task is None:
+            self._task = self._bar.add_task("train", total=self.total, completed=step, text=text)
+            self._bar.start()  # draws it
+            return
+        self._bar.update(self._task, completed=step, text=text)
+        self._bar.refresh()
 
     def message(self, text: str) -> None:
         if not self.enabled:
             return
-        self.stream.write(("\n" if self.tty else "") + text + "\n")
+        if self._bar is not None and self._task is not None:
+            self._bar.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            self._bar.refresh()
+            return
+        self.stream.write(text + "\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._bar is not None and self._task is not None:
+            self._bar.stop()
+            self._task = None
+
+
+def _clock(seconds: float) -> str:
+    """``75`` → ``"1:15"``, ``3725`` → ``"1:02:05"``."""
+    s = int(round(max(seconds, 0.0)))
+    h, rem = divmod(s, 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
 
 
 class Profiler:

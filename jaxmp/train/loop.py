@@ -26,7 +26,8 @@ from jaxmp.cost import ModelCost
 from jaxmp.data import to_global
 from jaxmp.plan import Plan
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
-from jaxmp.train.metrics import MetricsWriter, Profiler, Progress, batch_tokens, total_peak_flops
+from jaxmp.train.metrics import (MetricsWriter, Profiler, Progress, batch_tokens,
+                                 memory_metrics, total_peak_flops)
 from jaxmp.train.optimizer import make_optimizer, make_schedule
 from jaxmp.train.planning import mesh_for, plan_model
 from jaxmp.train.preempt import Preemption
@@ -179,7 +180,8 @@ class Trainer:
                     record = {"loss": loss, "tokens_per_s": tokens / dt, "step_time_s": dt,
                               "model_flops_per_step": flops, "mfu": flops / dt / peak,
                               "grad_norm": float(metrics["grad_norm"]),
-                              "lr": float(metrics["lr"])}
+                              "lr": float(metrics["lr"]),
+                              **memory_metrics(self.mesh.local_devices)}
                     if eval_fn is not None and (done % t.eval_every == 0 or done == t.steps):
                         record["eval_loss"] = self.evaluate(eval_fn)
                     writer.write(done, record)

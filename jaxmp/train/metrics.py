@@ -32,6 +32,20 @@ def batch_tokens(batch: Any) -> int:
     return int(jax.tree.leaves(batch)[0].shape[0])
 
 
+def memory_metrics(devices: Sequence[Any]) -> dict[str, float]:
+    """``{"peak_bytes": ...}``: the most bytes any of ``devices`` has held so far, as the
+    runtime counts them (GPU, TPU); empty where the backend does not say (CPU)."""
+    peaks = []
+    for d in devices:
+        try:
+            stats = d.memory_stats() or {}
+        except Exception:  # noqa: BLE001 - a backend without memory statistics
+            stats = {}
+        if "peak_bytes_in_use" in stats:
+            peaks.append(float(stats["peak_bytes_in_use"]))
+    return {"peak_bytes": max(peaks)} if peaks else {}
+
+
 def total_peak_flops(devices: Sequence[Any]) -> float:
     """Peak FLOP/s of all ``devices`` together, the denominator of MFU.
 

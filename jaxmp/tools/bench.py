@@ -267,13 +267,13 @@ def run_bench(config: TrainerConfig, make_trainer: MakeTrainer, specs: Sequence[
     ``make_trainer(config, devices)`` builds the Trainer for a config whose ``[mesh]`` is the
     strategy's; ``cost`` is the model's :class:`~jaxmp.cost.ModelCost` for the predictions
     (default: traced from the first Trainer's model and example batch); ``batch`` a global
-    batch of numpy arrays (default: random, shaped like the example batch); ``rules`` the extra
-    rules the Trainer is given; ``model_flops_per_step`` the model FLOPs behind MFU (default:
-    the traced cost without recomputation).
+    batch of numpy arrays (default: random, shaped like the example batch); ``rules`` the
+    Trainer's rule list (default ``DEFAULT_RULES``); ``model_flops_per_step`` the model FLOPs
+    behind MFU (default: the traced cost without recomputation).
     """
     devices = list(devices)
     n = len(devices)
-    all_rules = tuple(rules or ()) + tuple(sharding.DEFAULT_RULES)
+    all_rules = sharding.normalize_rules(sharding.DEFAULT_RULES if rules is None else rules)
     profile = profile_from_config(config.device, strict=False, measure_cpu=True)
     first: Trainer | None = None
     if cost is None or batch is None:
@@ -282,7 +282,8 @@ def run_bench(config: TrainerConfig, make_trainer: MakeTrainer, specs: Sequence[
         if example is None:
             raise ValueError("jaxmp bench needs a Trainer with an example_batch")
         if cost is None:
-            cost = model_costs(first.model_fn, example, first.loss_fn, policies=("none",))
+            cost = model_costs(first.model_fn, example, first.loss_fn, first.tx,
+                               policies=("none",), path_rules=first.path_rules)
         if batch is None:
             batch = random_batch(example, config.train.seed)
     ctx = Context(cost, profile, n, all_rules)

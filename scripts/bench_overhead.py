@@ -5,16 +5,18 @@
 
 A (the Trainer, exactly as `jaxmp train` builds it: ``gpt_trainer(config).fit()``) and B (a
 hand-written loop: the same GPT, loss, optax AdamW + clipping, mesh and parameter shardings,
-the same batches, ``float(loss)`` every ``--every`` steps) run interleaved, A B A B ..., in one
-process, after one unrecorded warm-up pair. Both read their batches through a wrapper that
+the same batches, ``float(loss)`` every ``--every`` steps) run interleaved in one process,
+after one unrecorded warm-up pair. Both read their batches through a wrapper that
 stamps the time of every ``next()``; a loop's time per step is the span between the batch
 requests right after its logging points ``every`` and ``steps - every`` (both loops block on
 the loss there, so both ends are drained) divided by the steps in between: compiling, set-up
 and shutdown are outside it, every per-step cost of the loop is inside. Checkpoints and eval
 are off in A (B has neither); metrics.jsonl, TensorBoard and the progress lines stay on.
 
-Prints each pair's A/B ratio, then the median and the spread, and checks both loops reach the
-same loss (they compute the same thing).
+Pairs alternate their order (A B, then B A) so that an order effect cancels. Prints each pair's
+A/B ratio on three clocks (wall; process CPU, steadier on a shared machine; main-thread CPU, the
+loop's own host work), then the median and the spread, and checks both loops reach the same
+loss (they compute the same thing).
 """
 from __future__ import annotations
 
@@ -27,9 +29,14 @@ import time
 from jaxmp._util.env import simulate_devices
 
 
+CLOCKS = ("wall", "cpu", "host")
+
+
 class Stamped:
-    """An iterator that records when each batch was asked for: wall clock and process CPU
-    time (all threads: less disturbed by other jobs sharing the cores than the wall clock)."""
+    """An iterator that records when each batch was asked for, on three clocks: the wall clock,
+    the process's CPU time (all threads: less disturbed by other jobs sharing the cores), and
+    the main thread's CPU time (the loop's own host work: dispatch, batches, logging; XLA
+    computes on its own threads)."""
 
     def __init__(self, data):
         self.it = iter(data)
@@ -39,15 +46,14 @@ class Stamped:
         return self
 
     def __next__(self):
-        self.times.append((time.perf_counter(), time.process_time()))
+        self.times.append((time.perf_counter(), time.process_time(), time.thread_time()))
         return next(self.it)
 
 
-def per_step(times: list[tuple[float, float]], steps: int, every: int) -> tuple[float, float]:
-    """(wall, cpu) seconds per step between the batch requests after two logging points."""
-    (w0, c0), (w1, c1) = times[every], times[steps - every]
-    n = steps - 2 * every
-    return (w1 - w0) / n, (c1 - c0) / n
+def per_step(times: list[tuple[float, ...]], steps: int, every: int) -> tuple[float, ...]:
+    """Seconds per step on each clock between the batch requests after two logging points."""
+    first, last = times[every], times[steps - every]
+    return tuple((b - a) / (steps - 2 * every) for a, b in zip(first, last))
 
 
 def run_trainer(config, run_dir: str, steps: int, every: int) -> tuple[tuple, float]:
@@ -129,22 +135,28 @@ def main() -> int:
     print(f"# {args.pairs} pairs of {args.steps} steps, mesh {mesh_shape}, "
           f"overrides {args.set or 'none'}; seconds per step over steps "
           f"[{args.every}, {args.steps - args.every})", flush=True)
-    ratios: dict[str, list[float]] = {"wall": [], "cpu": []}
+    ratios: dict[str, list[float]] = {c: [] for c in CLOCKS}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.pairs + 1):
-            a, loss_a = run_trainer(config, f"{tmp}/a{i}", args.steps, args.every)
-            b, loss_b = run_hand(config, mesh_shape, args.steps, args.every)
+            # A B, then B A: an order effect (a warmer cache, a job starting) cancels out
+            order = ("a", "b") if i % 2 == 0 else ("b", "a")
+            got = {}
+            for which in order:
+                got[which] = run_trainer(config, f"{tmp}/a{i}", args.steps, args.every) \
+                    if which == "a" else run_hand(config, mesh_shape, args.steps, args.every)
+            (a, loss_a), (b, loss_b) = got["a"], got["b"]
             same = abs(loss_a - loss_b) < 1e-3 * max(1.0, abs(loss_b))
             tag = "warm-up" if i == 0 else f"pair {i}"
-            print(f"{tag:>8}: wall trainer {a[0] * 1e3:8.3f} ms  hand {b[0] * 1e3:8.3f} ms  "
-                  f"ratio {a[0] / b[0]:.4f} | cpu {a[1] * 1e3:8.3f} / {b[1] * 1e3:8.3f} ms  "
-                  f"ratio {a[1] / b[1]:.4f} | final loss {loss_a:.4f} / {loss_b:.4f}"
-                  f"{'' if same else '  (DIFFERENT)'}", flush=True)
+            print(f"{tag:>8} ({''.join(order).upper()}): " + " | ".join(
+                f"{c} {x * 1e3:8.3f} / {y * 1e3:8.3f} ms = {x / y:.3f}"
+                for c, x, y in zip(CLOCKS, a, b))
+                + f" | loss {loss_a:.4f} / {loss_b:.4f}{'' if same else ' (DIFFERENT)'}",
+                flush=True)
             if i:
-                ratios["wall"].append(a[0] / b[0])
-                ratios["cpu"].append(a[1] / b[1])
-    for kind, rs in ratios.items():
-        print(f"{kind} time ratio trainer/hand: median {statistics.median(rs):.4f}, "
+                for c, x, y in zip(CLOCKS, a, b):
+                    ratios[c].append(x / y)
+    for c, rs in ratios.items():
+        print(f"{c:>4} time per step, trainer / hand: median {statistics.median(rs):.4f}, "
               f"min {min(rs):.4f}, max {max(rs):.4f} (pairs: {' / '.join(f'{r:.3f}' for r in rs)})")
     return 0
 

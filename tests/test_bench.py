@@ -139,6 +139,7 @@ def test_strategy_names():
     (["--devices", "64"], "--devices 64"),
 ])
 def test_bad_input_is_one_line(argv, needle):
+    assert len(jax.devices()) == 8  # started: --devices cannot ask XLA for more any more
     code, _, stderr = run_cli("bench", *argv)
     lines = [x for x in stderr.splitlines() if x.strip()]
     assert code == 2 and len(lines) == 1 and needle in lines[0], stderr
@@ -156,3 +157,41 @@ def test_devices_are_simulated_before_jax_starts(tmp_path):
     result = json.loads(r.stdout)
     assert result["devices"] == 2 and result["platform"] == "cpu"
     assert result["strategies"][0]["mesh"]["fsdp"] == 2
+
+
+def test_any_model_can_be_benched():
+    """The generic path: a Trainer factory for a research model, costs traced from it."""
+    import numpy as np
+    from flax import nnx
+
+    import jaxmp
+    from jaxmp.tools.bench import run_bench
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.normal(0.1)
+            self.w1 = nnx.Param(init(rngs.params(), (32, 128)), out_sharding=("embed", "mlp"),
+                                eager_sharding=False)
+            self.w2 = nnx.Param(init(rngs.params(), (128, 32)), out_sharding=("mlp", "embed"),
+                                eager_sharding=False)
+
+        def __call__(self, x):
+            return jax.nn.relu(x @ self.w1[...]) @ self.w2[...]
+
+    def loss_fn(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+    example = {"x": jax.ShapeDtypeStruct((16, 32), np.float32),
+               "y": jax.ShapeDtypeStruct((16, 32), np.float32)}
+    config = jaxmp.load_config(None, ["train.steps=4"], schema=jaxmp.TrainerConfig)
+    result = run_bench(
+        config, lambda cfg, devs: jaxmp.Trainer(cfg, lambda rngs: MLP(rngs), loss_fn, None,
+                                                devices=devs, example_batch=example),
+        parse_strategies("dp,fsdp,data=5"), jax.devices()[:8], steps=1, warmup=0)
+    dp, fsdp, bad = result.rows
+    assert dp.status == fsdp.status == "ok" and bad.status == "not run"
+    assert result.param_bytes == 2 * 32 * 128 * 4
+    assert fsdp.argument_bytes < dp.argument_bytes / 3
+    assert dp.collective_bytes["all-reduce"] == pytest.approx(2 * 7 / 8 * result.param_bytes,
+                                                              rel=0.10)
+    assert abs(dp.predicted["rel_err"]["argument_bytes"]) < 0.05

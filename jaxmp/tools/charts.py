@@ -66,10 +66,16 @@ def stacked_pairs(path: str | os.PathLike, title: str, ylabel: str, groups: Sequ
                    label=f"{kind}: {name}")
             bottom = [b + h for b, h in zip(bottom, heights)]
             color += 1
+    for i in x:  # say so where nothing was measured, rather than draw an empty slot
+        if all(v is None for values in measured.values() for v in [values[i]]):
+            ax.annotate("not run", (i - width / 2, 0), rotation=90, ha="center", va="bottom",
+                        fontsize="small", color="gray", xytext=(0, 3),
+                        textcoords="offset points")
     ax.set_xticks(x, groups, rotation=20 if len(groups) > 5 else 0)
     ax.set_ylabel(f"{ylabel} ({unit})" if unit else ylabel)
     ax.set_title(title)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
     return save(fig, path)
 

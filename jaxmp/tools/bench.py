@@ -268,12 +268,12 @@ def run_bench(config: TrainerConfig, make_trainer: MakeTrainer, specs: Sequence[
     strategy's; ``cost`` is the model's :class:`~jaxmp.cost.ModelCost` for the predictions
     (default: traced from the first Trainer's model and example batch); ``batch`` a global
     batch of numpy arrays (default: random, shaped like the example batch); ``rules`` the
-    Trainer's rule list (default ``DEFAULT_RULES``); ``model_flops_per_step`` the model FLOPs
-    behind MFU (default: the traced cost without recomputation).
+    Trainer's rule list, for the predictions (default: the first Trainer's, else
+    ``DEFAULT_RULES``); ``model_flops_per_step`` the model FLOPs behind MFU (default: the traced
+    cost without recomputation).
     """
     devices = list(devices)
     n = len(devices)
-    all_rules = sharding.normalize_rules(sharding.DEFAULT_RULES if rules is None else rules)
     profile = profile_from_config(config.device, strict=False, measure_cpu=True)
     first: Trainer | None = None
     if cost is None or batch is None:
@@ -286,7 +286,9 @@ def run_bench(config: TrainerConfig, make_trainer: MakeTrainer, specs: Sequence[
                                policies=("none",), path_rules=first.path_rules)
         if batch is None:
             batch = random_batch(example, config.train.seed)
-    ctx = Context(cost, profile, n, all_rules)
+    if rules is None:  # the Trainer's own, when one was built
+        rules = first.rules if first is not None else sharding.DEFAULT_RULES
+    ctx = Context(cost, profile, n, sharding.normalize_rules(rules))
     remat = cost.runs_as
     peak = total_peak_flops(devices)
     tokens = batch_tokens(batch)
@@ -309,7 +311,7 @@ def run_bench(config: TrainerConfig, make_trainer: MakeTrainer, specs: Sequence[
             log(f"jaxmp bench: {spec.name} ({mesh_str(mesh)})")
             try:
                 trainer = first if first is not None and first.mesh.shape == mesh \
-                    else make_trainer(replace(config, mesh=mesh), devices[:n])
+                    else make_trainer(replace(config, mesh=mesh), devices)
                 param_bytes = float(tree_bytes(trainer.layout.abstract.params))
                 measure_row(row, trainer, batch, steps, warmup, limit, model_flops, peak)
             except Exception as e:  # noqa: BLE001 - one strategy failing is a row, not a crash

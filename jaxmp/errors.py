@@ -60,3 +60,7 @@ class CheckpointWriteError(Failure):
 
 class VerifyError(Failure):
     """A plan cannot be compiled here (not enough devices)."""
+
+
+class MissingDependency(Failure):
+    """An optional dependency is not installed; the message names the extra that brings it."""

@@ -34,9 +34,11 @@ def backend_started() -> bool:
         return True
 
 
-def simulate_devices(n: int) -> None:
+def simulate_devices(n: int, force_cpu: bool = True) -> None:
     """Run on ``n`` simulated CPU devices (testing a mesh without accelerators).
 
+    ``force_cpu=False`` only gives the CPU backend ``n`` devices: a host with accelerators
+    still runs on them (``jaxmp bench --devices N`` means N GPUs there, N CPUs elsewhere).
     Raises ValueError for ``n < 1`` and RuntimeError when jax's backend already started.
     """
     if n < 1:
@@ -44,6 +46,8 @@ def simulate_devices(n: int) -> None:
     if backend_started():
         raise RuntimeError("simulated devices must be set before jax starts its backend")
     add_xla_flags(f"{_COUNT_FLAG}={n}")
+    if not force_cpu:
+        return
     os.environ["JAX_PLATFORMS"] = "cpu"
     jax = sys.modules.get("jax")
     if jax is not None:  # imported but not started: it read JAX_PLATFORMS already

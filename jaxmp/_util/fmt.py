@@ -61,3 +61,18 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], right: frozenset
     if limit is not None and len(rows) > limit:
         out.append(f"{indent}... and {len(rows) - limit} more")
     return out
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]],
+             right: frozenset[int] | set[int] = frozenset()) -> list[str]:
+    """A Markdown table as lines, padded so it also reads as plain text in a terminal."""
+    cells = [[str(c).replace("|", "\\|") for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
+
+    def fmt(row: Sequence[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w)
+                                 for i, (c, w) in enumerate(zip(row, widths))) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if i in right else "-" * (w + 2)
+                          for i, w in enumerate(widths)) + "|"
+    return [fmt(header), rule] + [fmt(r) for r in cells]

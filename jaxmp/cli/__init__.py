@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from jaxmp.cli import ckpt, data, plan, sample, train
+from jaxmp.cli import bench, ckpt, data, plan, report, sample, train
 from jaxmp.errors import BadInput, Failure
 
 EXIT_BAD_INPUT = 2
@@ -23,7 +23,7 @@ EXIT_FAILURE = 1
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxmp", description="A sharded trainer for JAX/Flax.")
     sub = p.add_subparsers(dest="command", required=True)
-    for module in (train, plan, ckpt, data, sample):
+    for module in (train, plan, bench, ckpt, report, data, sample):
         module.add_parser(sub)
     return p
 
@@ -42,6 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BadInput, FileNotFoundError) as e:
         print(f"jaxmp: error: {e}", file=sys.stderr)
         return _leave(EXIT_BAD_INPUT)
+    except Failure as e:  # a failure jaxmp explains itself (e.g. a missing optional extra)
+        print(f"jaxmp: error: {e}", file=sys.stderr)
+        return _leave(EXIT_FAILURE)
     except KeyboardInterrupt:
         print("jaxmp: interrupted", file=sys.stderr)
         return _leave(130)

@@ -11,6 +11,7 @@ import json
 import math
 from typing import Any
 
+from jaxmp.cli.train import add_config_arguments
 from jaxmp.errors import UsageError
 
 DEFAULT_VERIFY_DEVICES = 8
@@ -21,8 +22,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "plan", help="choose a mesh from per-layer costs and show the predictions",
         description="Measure the configured model's per-layer costs, rank every mesh "
                     "factorisation of the devices, and print the chosen plan.")
-    p.add_argument("config", nargs="?", default=None, help="TOML config (default: built-in tiny)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    add_config_arguments(p)
     p.add_argument("--devices", type=int, default=None, metavar="N",
                    help="devices to plan for (default: this host's devices; with --verify 8)")
     p.add_argument("--device-kind", default=None, metavar="KIND",

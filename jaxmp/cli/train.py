@@ -13,8 +13,7 @@ from jaxmp.errors import UsageError
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t = subparsers.add_parser("train", help="train the configured model "
                                             "(default: configs/tiny.toml)")
-    t.add_argument("config", nargs="?", default=None, help="TOML config (default: built-in tiny)")
-    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    add_config_arguments(t)
     t.add_argument("--run-dir", default="runs/default", help="where outputs go (default %(default)s)")
     t.add_argument("--simulate-devices", type=int, default=None, metavar="N",
                    help="run on N simulated CPU devices (try a mesh on a laptop)")
@@ -30,6 +29,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "join (default %(default)s)")
     t.set_defaults(func=run)
     return t
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """``[CONFIG.toml] [--set key=value ...]``, as every command that loads a config takes them."""
+    p.add_argument("config", nargs="?", default=None, help="TOML config (default: built-in tiny)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
 
 
 def simulate(n: int | None) -> None:
@@ -63,6 +68,14 @@ def _init_distributed(args: argparse.Namespace) -> None:
                run_dir=args.run_dir)
 
 
+def apply_precision(config: Any) -> None:
+    """``xla.matmul_precision`` as jax's default (after ``xla.flags`` reached XLA_FLAGS)."""
+    import jax
+
+    if config.xla.matmul_precision != "default":
+        jax.config.update("jax_default_matmul_precision", config.xla.matmul_precision)
+
+
 def run(args: argparse.Namespace) -> int:
     from jaxmp._util.env import add_xla_flags
     from jaxmp.recipes.gpt_config import load_config
@@ -74,10 +87,7 @@ def run(args: argparse.Namespace) -> int:
     simulate(args.simulate_devices)
     add_xla_flags(config.xla.flags)
     _init_distributed(args)
-    import jax
-
-    if config.xla.matmul_precision != "default":
-        jax.config.update("jax_default_matmul_precision", config.xla.matmul_precision)
+    apply_precision(config)
     from jaxmp.recipes.gpt import gpt_trainer
 
     trainer = gpt_trainer(config, args.run_dir)

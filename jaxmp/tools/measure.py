@@ -29,6 +29,13 @@ class Measured:
         return self.argument_bytes + self.temp_bytes
 
 
+def rel_err(predicted: float, measured: float) -> float:
+    """Signed relative error of a prediction: ``predicted / measured - 1`` (0 when both are 0)."""
+    if measured:
+        return float(predicted) / float(measured) - 1.0
+    return 0.0 if not predicted else float("inf")
+
+
 def measure_step(trainer: Trainer, batch: Any = None) -> Measured:
     """Compile ``trainer``'s train step and measure it (``batch``: default its example batch)."""
     compiled = trainer.compile(batch)

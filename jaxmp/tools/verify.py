@@ -15,13 +15,14 @@ from typing import Any
 
 from jaxmp.errors import VerifyError
 from jaxmp.plan import Prediction
-from jaxmp.tools.measure import measure_step
+from jaxmp.tools.measure import measure_step, rel_err
 from jaxmp.train import Trainer
 
 
 def _rel(predicted: float, compiled: float) -> dict[str, float]:
-    err = abs(predicted - compiled) / compiled if compiled else (0.0 if not predicted else 1.0)
-    return {"predicted": float(predicted), "compiled": float(compiled), "rel_err": float(err)}
+    err = abs(rel_err(predicted, compiled))
+    err = 1.0 if math.isinf(err) else err  # something predicted where nothing was compiled
+    return {"predicted": float(predicted), "compiled": float(compiled), "rel_err": err}
 
 
 def verify_prediction(make_trainer: Callable[[list], Trainer], mesh: dict[str, int],

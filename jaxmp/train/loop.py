@@ -29,7 +29,8 @@ from jaxmp.data import to_global
 from jaxmp.plan import Plan
 from jaxmp.train import checks, guard, peers
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
-from jaxmp.train.metrics import MetricsWriter, Profiler, Progress, total_peak_flops
+from jaxmp.train.metrics import (MetricsWriter, Profiler, Progress, batch_tokens,
+                                 memory_metrics, total_peak_flops)
 from jaxmp.train.optimizer import make_optimizer, make_schedule
 from jaxmp.train.pipeline import (PipelineSpec, block_graphdef, make_pipeline_grad_fn,
                                   stack_length, to_stages)
@@ -103,6 +104,7 @@ class Trainer:
             self.stages.schedule, self.stages.split, self.rules)
         self.state: TrainState | None = None
         self.history: list[dict] = []
+        self._batch_spec = None
 
     # -- the one train step -------------------------------------------------------------------
     def compile(self, batch: Any = None) -> Any:
@@ -174,8 +176,7 @@ class Trainer:
             self.layout.abstract, batch).compile() \
             if self.eval_data is not None and t.eval_every > 0 else None
         peers.align("compiled")  # several processes: all compiled before any program runs
-        tokens = int(np.prod(batch["inputs"].shape)) if "inputs" in batch else \
-            int(jax.tree.leaves(batch)[0].shape[0])
+        tokens = batch_tokens(batch)
         flops = self._flops_per_step(step_fn, tokens)
         peak = total_peak_flops(list(self.mesh.devices.flat))
         writer = MetricsWriter(self.run_dir, self.is_main, cfg.logging.tensorboard,
@@ -207,7 +208,8 @@ class Trainer:
                     record = {"loss": loss, "tokens_per_s": tokens / dt, "step_time_s": dt,
                               "model_flops_per_step": flops, "mfu": flops / dt / peak,
                               "grad_norm": float(metrics["grad_norm"]),
-                              "lr": float(metrics["lr"]), **self.guard.record(metrics)}
+                              "lr": float(metrics["lr"]), **self.guard.record(metrics),
+                              **memory_metrics(self.mesh.local_devices)}
                     if eval_fn is not None and (done % t.eval_every == 0 or done == t.steps):
                         record["eval_loss"] = self.evaluate(eval_fn)
                     writer.write(done, record)
@@ -241,5 +243,6 @@ class Trainer:
             raise RuntimeError("the data iterator ran out before train.steps was reached") from None
 
     def _to_global(self, batch: dict) -> dict:
-        return to_global(batch, self.mesh,
-                         batch_spec(self.mesh, self.rules, self.config.train.batch_size))
+        if self._batch_spec is None:  # resolved once: this runs every step
+            self._batch_spec = batch_spec(self.mesh, self.rules, self.config.train.batch_size)
+        return to_global(batch, self.mesh, self._batch_spec)

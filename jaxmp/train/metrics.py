@@ -1,4 +1,4 @@
-"""What a run reports: metrics.jsonl, TensorBoard events, a progress line, MFU, profiler traces.
+"""What a run reports: metrics.jsonl, TensorBoard events, a progress bar, MFU, profiler traces.
 
 Only process 0 writes (``enabled=False`` elsewhere) so several hosts never race on one file.
 Each metrics.jsonl line is flushed as it is written: a killed run keeps every logged step. A
@@ -17,11 +17,37 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import jax
-from tensorboardX import SummaryWriter
+from rich.console import Console
+from rich.progress import BarColumn, TextColumn
+from rich.progress import Progress as RichProgress
+from tensorboardX import FileWriter
+from tensorboardX.proto.summary_pb2 import Summary
+from tensorboardX.summary import scalar as tb_scalar
 
 from jaxmp._util.io import atomic_write
 from jaxmp.devices import profile_for
 from jaxmp.errors import Failure
+
+
+def batch_tokens(batch: Any) -> int:
+    """Tokens in a batch: the size of ``inputs`` if it has one, else its leading dimension."""
+    if "inputs" in batch:
+        return int(math.prod(batch["inputs"].shape))
+    return int(jax.tree.leaves(batch)[0].shape[0])
+
+
+def memory_metrics(devices: Sequence[Any]) -> dict[str, float]:
+    """``{"peak_bytes": ...}``: the most bytes any of ``devices`` has held so far, as the
+    runtime counts them (GPU, TPU); empty where the backend does not say (CPU)."""
+    peaks = []
+    for d in devices:
+        try:
+            stats = d.memory_stats() or {}
+        except Exception:  # noqa: BLE001 - a backend without memory statistics
+            stats = {}
+        if "peak_bytes_in_use" in stats:
+            peaks.append(float(stats["peak_bytes_in_use"]))
+    return {"peak_bytes": max(peaks)} if peaks else {}
 
 
 def total_peak_flops(devices: Sequence[Any]) -> float:
@@ -54,7 +80,7 @@ class MetricsWriter:
             self._truncate(resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), flush_secs=10)
+            self._tb = FileWriter(str(Path(run_dir) / "tensorboard"), flush_secs=10)
 
     def _truncate(self, step: int) -> None:
         """Keep only whole lines of steps <= ``step`` (rewritten atomically if any go)."""
@@ -88,10 +114,11 @@ class MetricsWriter:
             with open(self.path, "r+b") as f:
                 f.truncate(end)
             raise Failure(f"cannot write {self.path}: {e.strerror or e}") from None
-        if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, global_step=int(step))
+        if self._tb is not None:  # one event for all scalars: one trip through its queue
+            values = [v for k, x in record.items()
+                      if k != "step" and isinstance(x, (int, float)) and not isinstance(x, bool)
+                      for v in tb_scalar(k, x).value]
+            self._tb.add_summary(Summary(value=values), global_step=int(step))
 
     def close(self) -> None:
         if self._file is not None:
@@ -103,38 +130,77 @@ class MetricsWriter:
 
 
 class Progress:
-    """A one-line progress display: redrawn in place on a terminal, plain lines otherwise."""
+    """Training progress: step/total, loss, tokens/s, elapsed and ETA.
+
+    On a terminal a rich progress bar is redrawn in place (refreshed only when a step is
+    logged: no background thread competes with the loop); elsewhere (CI, a log file) each
+    update is one plain line. Messages go above the bar.
+    """
 
     def __init__(self, total_steps: int, enabled: bool = True, stream=None):
         self.total = total_steps
         self.enabled = enabled
         self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.start = time.perf_counter()
+        self._first: tuple[int, float] | None = None  # (step, time) of the first update
+        self._bar = self._task = None
+        if enabled and self.tty:
+            self._bar = RichProgress(
+                TextColumn("step {task.completed:>%d.0f}/{task.total:.0f}" % len(str(total_steps))),
+                BarColumn(), TextColumn("{task.fields[text]}"),
+                console=Console(file=self.stream, force_terminal=True, highlight=False),
+                auto_refresh=False)  # stdout/stderr writes are shown above the bar
+
+    def _eta(self, step: int, now: float) -> float | None:
+        """Seconds left at the rate since the first update (compile and warm-up excluded)."""
+        if self._first is None or step <= self._first[0]:
+            return None
+        s0, t0 = self._first
+        return (now - t0) / (step - s0) * (self.total - step)
 
     def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
         if not self.enabled:
             return
-        width = len(str(self.total))
-        elapsed = time.perf_counter() - self.start
-        line = (f"step {step:>{width}}/{self.total}  loss {loss:7.4f}  "
-                f"{tokens_per_s:10,.0f} tok/s  {elapsed:6.1f}s{extra}")
-        if self.tty:
-            self.stream.write("\r" + line + "\x1b[K")
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        now = time.perf_counter()
+        eta = self._eta(step, now)
+        if self._first is None:
+            self._first = (step, now)
+        text = (f"loss {loss:7.4f}  {tokens_per_s:10,.0f} tok/s  elapsed {_clock(now - self.start)}"
+                f"  ETA {_clock(eta) if eta is not None else '--:--'}{extra}")
+        if self._bar is None:
+            width = len(str(self.total))
+            self.stream.write(f"step {step:>{width}}/{self.total}  {text}\n")
+            self.stream.flush()
+            return
+        if self._task is None:
+            self._task = self._bar.add_task("train", total=self.total, completed=step, text=text)
+            self._bar.start()  # draws it
+            return
+        self._bar.update(self._task, completed=step, text=text)
+        self._bar.refresh()
 
     def message(self, text: str) -> None:
         if not self.enabled:
             return
-        self.stream.write(("\n" if self.tty else "") + text + "\n")
+        if self._bar is not None and self._task is not None:
+            self._bar.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            self._bar.refresh()
+            return
+        self.stream.write(text + "\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._bar is not None and self._task is not None:
+            self._bar.stop()
+            self._task = None
+
+
+def _clock(seconds: float) -> str:
+    """``75`` → ``"1:15"``, ``3725`` → ``"1:02:05"``."""
+    s = int(round(max(seconds, 0.0)))
+    h, rem = divmod(s, 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
 
 
 class Profiler:

@@ -60,7 +60,8 @@ def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
     """
     graphdef, mesh = layout.graphdef, layout.mesh
 
-    def loss_of(params: Any, rest: Any, batch: dict, key: jax.Array) -> tuple[jax.Array, tuple]:
+    def loss_of(params: Any, rest: Any, batch: dict, key: jax.Array, weighted: bool = True
+                ) -> tuple[jax.Array, tuple]:
         model = nnx.merge(graphdef, params, rest, copy=True)
         rows = int(jax.tree.leaves(batch)[0].shape[0])
         batch = pin_batch(batch, rows, mesh, rules)
@@ -68,22 +69,23 @@ def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
             loss, aux = split_loss(call_loss(loss_fn, model, batch, key))
         weight = aux.pop("weight", jnp.float32(1.0))
         _, _, new_rest = nnx.split(model, nnx.Param, ...)
-        return loss * weight, (weight, new_rest, aux)
+        return (loss * weight if weighted else loss), (weight, new_rest, aux)
 
     value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
 
-    def micro(params: Any, rest: Any, batch: dict, key: jax.Array) -> tuple:
-        (wloss, (weight, rest, aux)), grads = value_and_grad(params, rest, batch, key)
+    def micro(params: Any, rest: Any, batch: dict, key: jax.Array, weighted: bool = True
+              ) -> tuple:
+        (wloss, (weight, rest, aux)), grads = value_and_grad(params, rest, batch, key, weighted)
         return wloss, weight, grads, rest, aux
 
     def grad_fn(params: Any, rest: Any, batch: dict, key: jax.Array | None = None) -> tuple:
         key = jax.random.key(0) if key is None else key
         with sharding.activation_sharding(layout.mesh, rules):
-            if grad_accum == 1:
-                wloss, weight, grads, rest, aux = micro(params, rest, batch, key)
-            else:
-                wloss, weight, grads, rest, aux = _accumulate(micro, params, rest, batch, key,
-                                                              grad_accum)
+            if grad_accum == 1:  # one batch: its loss as is (re-weighting costs a pass over
+                loss, _, grads, rest, aux = micro(params, rest, batch, key, False)  # the grads)
+                return loss, grads, rest, aux
+            wloss, weight, grads, rest, aux = _accumulate(micro, params, rest, batch, key,
+                                                          grad_accum)
             scale = 1.0 / jnp.maximum(weight, 1e-12)
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
             return wloss * scale, grads, rest, aux

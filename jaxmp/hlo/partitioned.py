@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import jax
+
 _BEFORE = "before_float-normalization-bf16"
 _AFTER_SPMD = "after_spmd-partitioning"
 
@@ -21,13 +23,20 @@ _AFTER_SPMD = "after_spmd-partitioning"
 def partitioned_text(lowered: Any) -> str:
     """HLO text of ``lowered`` (a ``jax.stages.Lowered``) after partitioning, before the
     backend widens bf16 collectives (see the module docstring)."""
-    with tempfile.TemporaryDirectory(prefix="jaxmp-hlo-") as tmp:
-        lowered.compile(compiler_options={
-            "xla_dump_to": tmp, "xla_dump_hlo_as_text": True,
-            "xla_dump_hlo_pass_re": "spmd-partitioning|all-reduce-promotion|float-normalization"})
-        files = sorted(Path(tmp).glob("*.txt"))
-        for tag in (_BEFORE, _AFTER_SPMD):
-            found = [f for f in files if tag in f.name]
-            if found:
-                return found[-1].read_text()
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # a cache hit runs no passes
+    try:
+        with tempfile.TemporaryDirectory(prefix="jaxmp-hlo-") as tmp:
+            lowered.compile(compiler_options={
+                "xla_dump_to": tmp, "xla_dump_hlo_as_text": True,
+                "xla_dump_hlo_pass_re": "spmd-partitioning|all-reduce-promotion|"
+                                        "float-normalization"})
+            files = sorted(Path(tmp).glob("*.txt"))
+            texts = {f.name: f.read_text() for f in files}
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
+    for tag in (_BEFORE, _AFTER_SPMD):
+        found = [name for name in sorted(texts) if tag in name]
+        if found:
+            return texts[found[-1]]
     raise RuntimeError("XLA wrote no partitioned module (its pass names may have changed)")

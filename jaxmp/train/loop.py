@@ -173,7 +173,7 @@ class Trainer:
         data_iter = resume_iterator(self.data, resumed)  # continues the stream after a resume
         batch = self._next_global(data_iter)
         step_fn = self.compile(batch)  # the same executable runs the steps and reports its cost
-        warm = wire.compression_of(cfg).warmup_steps() if wire.uses_reducer(cfg, self.mesh) else 0
+        warm = wire.warmup_steps(cfg, self.mesh)  # PowerSGD's uncompressed first steps
         warm_fn = self.compile(batch, warmup=True) if start_step < warm else None
         eval_fn = make_eval_step(self.layout, self.loss_fn, batch, self.rules, t.seed,
                                  grad_fn=self.grad_fn) \

@@ -66,6 +66,11 @@ def reducer(config: TrainerConfig, mesh: Mesh, layout: Any, path_rules: Sequence
     return Reducer(comp, mesh, layout.abstract.params, layout.shardings.params, path_rules)
 
 
+def warmup_steps(config: TrainerConfig, mesh: Mesh) -> int:
+    """Steps that run the uncompressed program first (``train.powersgd_start``)."""
+    return compression_of(config).warmup_steps() if uses_reducer(config, mesh) else 0
+
+
 def gather(config: TrainerConfig, mesh: Mesh, rules: Sequence,
            compute_dtype: str | None) -> WeightGather | None:
     return weight_gather(config.train.gather_dtype, compute_dtype, mesh, rules)

@@ -25,7 +25,8 @@ from jaxmp.hlo import collective_stats, partitioned_text
 from jaxmp.models import lm_loss
 from jaxmp.parallel.reduce import (STATE_KEY, Compression, Reducer, bytes_factor, matrix_view,
                                    state_extension)
-from jaxmp.recipes.gpt import gpt_trainer, lm_batches
+from jaxmp.plan import plan_for_config
+from jaxmp.recipes.gpt import gpt_costs, gpt_trainer, lm_batches
 from jaxmp.train.loop import Trainer
 from jaxmp.train.optimizer import make_optimizer, make_schedule
 from jaxmp.train.state import init_state, plan_state
@@ -147,6 +148,18 @@ def test_weight_gathers_move_bf16_under_a_bf16_model():
     f32 = gathered()
     assert gathered("model.compute_dtype=bfloat16") <= 0.52 * f32
     assert gathered("model.compute_dtype=bfloat16", "train.gather_dtype=int8") <= 0.30 * f32
+
+
+@pytest.mark.parametrize("sets,tolerance", [((), 0.01), (("train.grad_compression=int8",), 0.03),
+                                            (("train.grad_compression=powersgd",), 0.10),
+                                            (("train.grad_accum=4", "train.batch_size=32"), 0.01)])
+def test_planner_predicts_the_bytes_the_step_sends(sets, tolerance):
+    """The planner's data-axis bytes (once per step, scaled by the compression) against the
+    compiled data8 step, whose only collectives are the gradient reduction."""
+    sets = ("mesh.data=8",) + sets
+    config = jaxmp.load_config(None, GPT + list(sets))
+    predicted = plan_for_config(config, gpt_costs(config), N).predicted.comm_bytes
+    assert predicted["data"] == pytest.approx(_bytes(*sets), rel=tolerance)
 
 
 # -- the reducers' arithmetic ---------------------------------------------------------------

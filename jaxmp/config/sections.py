@@ -89,6 +89,14 @@ class TrainConfig(Section):
     eval_every: int = bounded(100, ge=0)  # 0 = no evaluation
     eval_batches: int = bounded(4, ge=1)
     max_skipped: int = bounded(5, ge=1)  # consecutive non-finite steps skipped before stopping
+    # Bytes on the wire (docs/compression.md): the data-axis gradient reduction's encoding, and
+    # the dtype fsdp gathers weights in ("auto": the model's compute dtype, if the recipe says).
+    grad_compression: Literal["none", "bf16", "int8", "powersgd"] = "none"
+    error_feedback: bool = True  # int8 / powersgd: carry what compression dropped to next step
+    int8_block: int = bounded(256, ge=8)  # values per int8 scale
+    powersgd_rank: int = bounded(4, ge=1)
+    powersgd_start: int = bounded(10, ge=0)  # uncompressed warm-up steps
+    gather_dtype: Literal["auto", "param", "bfloat16", "int8"] = "auto"
 
     def _validate(self) -> None:
         require(self.batch_size % self.grad_accum == 0, "train.batch_size",

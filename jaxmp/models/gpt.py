@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmp.remat import checkpointed
-from jaxmp.sharding import constrain, names_of
+from jaxmp.sharding import constrain, constrain_param, names_of
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -165,7 +165,7 @@ def _pin_layer_params(layer_state: nnx.State) -> nnx.State:
 
     def pin(v: nnx.Variable) -> nnx.Variable:
         names, _ = names_of(v)
-        return v.replace(constrain(v[...], names[1:])) if names else v
+        return v.replace(constrain_param(v[...], names[1:])) if names else v
 
     return jax.tree.map(pin, layer_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

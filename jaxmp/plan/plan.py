@@ -25,6 +25,7 @@ from jaxmp.config import TrainerConfig
 from jaxmp.cost import ModelCost
 from jaxmp.devices import DeviceProfile, profile_from_config
 from jaxmp.errors import PlanError
+from jaxmp.parallel.reduce import Compression
 from jaxmp.plan.predict import Context, Prediction
 from jaxmp.plan.search import PIPELINE_NOTE, Candidate, choose, reason_lost, search
 
@@ -99,7 +100,8 @@ def _param_specs(cost: ModelCost, mesh: Mapping[str, int], rules: Sequence) -> d
 def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
          rules: Sequence | None = None, fixed: Mapping[str, int] | None = None,
          remats: Sequence[str] | None = None, grad_accum: int = 1,
-         configured_remat: str | None = None, top: int = 8) -> Plan:
+         configured_remat: str | None = None, top: int = 8,
+         grad_compression: Compression | None = None) -> Plan:
     """Plan ``cost`` (from :func:`jaxmp.cost.model_costs`) on ``n_devices`` of ``profile``.
 
     ``fixed`` holds axis sizes the user set (constraints); ``remats`` the policies to consider
@@ -110,7 +112,7 @@ def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
         raise PlanError(f"the device count must be >= 1, got {n_devices}")
     rules = sharding.normalize_rules(rules or sharding.DEFAULT_RULES)
     start = time.perf_counter()
-    ctx = Context(cost, profile, n_devices, rules)
+    ctx = Context(cost, profile, n_devices, rules, grad_compression)
     try:
         result = search(ctx, fixed, remats, grad_accum, configured_remat)
     except ValueError as e:
@@ -149,4 +151,5 @@ def plan_for_config(config: TrainerConfig, cost: ModelCost, n_devices: int, *,
                                   measure_cpu=measure_cpu)
     return plan(cost, n_devices, profile, rules=rules, fixed=fixed,
                 remats=tuple(remats) if remats else (cost.runs_as,),
-                grad_accum=config.train.grad_accum, configured_remat=cost.runs_as)
+                grad_accum=config.train.grad_accum, configured_remat=cost.runs_as,
+                grad_compression=Compression.from_config(config.train))

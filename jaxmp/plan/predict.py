@@ -34,6 +34,7 @@ from jaxmp.cost import ModelCost
 from jaxmp.devices import DeviceProfile
 from jaxmp.mesh import AXES
 from jaxmp.parallel.balance import InfeasibleError, balance_stages
+from jaxmp.parallel.reduce import Compression, bytes_factor
 
 STEP_STATE_BYTES = 4  # the step counter of the train state
 
@@ -103,8 +104,14 @@ class Context:
     """Per-model, per-rules, per-profile state shared by every candidate (with caches)."""
 
     def __init__(self, cost: ModelCost, profile: DeviceProfile, n_devices: int,
-                 rules: Sequence = sharding.DEFAULT_RULES):
+                 rules: Sequence = sharding.DEFAULT_RULES,
+                 grad_compression: Compression | None = None):
         self.cost = cost
+        # The data-axis gradient reduction's bytes relative to float32 (train.grad_compression).
+        self.grad_compression = grad_compression or Compression()
+        arrays = {leaf.path: (leaf.shape, leaf.names) for lay in cost.layers
+                  for leaf in lay.params}
+        self.grad_bytes_factor = bytes_factor(self.grad_compression, list(arrays.values()))
         self.profile = profile
         self.n = n_devices
         self.rules = sharding.normalize_rules(rules)
@@ -306,8 +313,11 @@ def predict(ctx: Context, layout: Layout, stages: list[tuple[int, int]] | None =
         gathers = a["gathers"][lo:hi]
         comm["fsdp"] = m * (f - 1) / f * float(((gathers + 1) * sharded).sum()
                                                 + 2 * a["unsharded_f"][lo:hi].sum())
-    if d > 1:  # inside the microbatch loop: once per microbatch
-        comm["data"] = m * 2 * (d - 1) / d * float(a["local"][lo:hi].sum())
+    if d > 1:  # once per step (jaxmp.parallel.reduce), encoded per train.grad_compression;
+        # an uncompressed pipeline reduces inside its schedule, once per microbatch
+        times = m if p > 1 and ctx.grad_compression.kind == "none" else 1
+        comm["data"] = (times * ctx.grad_bytes_factor * 2 * (d - 1) / d
+                        * float(a["local"][lo:hi].sum()))
     if p > 1:
         sends = (k_worst < len(stages) - 1) + (k_worst > 0)
         comm["stage"] = m * sends * float(a["boundary"][hi - 1])

@@ -150,6 +150,7 @@ def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,
                    eval_data=eval_data, devices=devices, plan=plan,
                    cost=lambda: gpt_costs(config, (config.model.remat,)),
                    example_batch=example_batch(config), pipeline=gpt_pipeline(config),
+                   compute_dtype=config.model.compute_dtype,
                    model_flops_per_token=gpt_config(config).flops_per_token(config.data.seq_len))
 
 

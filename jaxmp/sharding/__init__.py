@@ -3,13 +3,16 @@
 * :mod:`jaxmp.sharding.resolve` — the ordered rules and one array's resolution;
 * :mod:`jaxmp.sharding.tree` — names of every array of a tree, its specs and shardings;
 * :mod:`jaxmp.sharding.activations` — ``constrain`` activations by logical name;
+* :mod:`jaxmp.sharding.params` — ``constrain_param`` where a model reads a weight slice (the
+  trainer may gather it in a narrower dtype);
 * :mod:`jaxmp.sharding.lint` — how far a tree is from ideal per-device memory, and why.
 
 Research code uses the same names through the facade ``from jaxmp import rules``.
 """
 
-from jaxmp.sharding.activations import activation_sharding, constrain
+from jaxmp.sharding.activations import activation_sharding, constrain, current_mesh, named
 from jaxmp.sharding.lint import LintReport, lint
+from jaxmp.sharding.params import constrain_param, param_gathering
 from jaxmp.sharding.resolve import (DEFAULT_RULES, Axes, Fallback, Names, PathRule, Resolution,
                                     Rule, fit_names, logical_spec, normalize_rules,
                                     normalize_spec, resolve)
@@ -19,6 +22,7 @@ from jaxmp.sharding.tree import (METADATA_KEYS, Leaf, abstract, logical_names, n
 
 __all__ = ["DEFAULT_RULES", "METADATA_KEYS", "Axes", "Fallback", "Leaf", "LintReport", "Names",
            "PathRule", "Resolution", "Rule", "abstract", "activation_sharding", "constrain",
-           "fit_names", "lint", "logical_names", "logical_spec", "names_of", "normalize_rules",
-           "normalize_spec", "resolve", "resolve_leaves", "shardings_for", "specs_for",
+           "constrain_param", "current_mesh", "fit_names", "lint", "logical_names",
+           "logical_spec", "named", "names_of", "normalize_rules", "normalize_spec",
+           "param_gathering", "resolve", "resolve_leaves", "shardings_for", "specs_for",
            "tree_leaves", "without_eager_sharding"]

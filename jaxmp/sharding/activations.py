@@ -32,6 +32,21 @@ def activation_sharding(mesh: Mesh, rules: Sequence[Rule] = DEFAULT_RULES) -> It
         _ACTIVE.reset(token)
 
 
+def current_mesh(mesh: Mesh) -> Any:
+    """``mesh`` as seen by code traced now: inside ``jax.shard_map``, the context's abstract
+    mesh, which knows the manual axes (the pipeline's ``stage``, a data replica's ``data``) —
+    constraints or a nested shard_map on the concrete mesh would clash with it there."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes and context.axis_names == mesh.axis_names:
+        return context
+    return mesh
+
+
+def named(mesh: Mesh, spec: Any) -> NamedSharding:
+    """``NamedSharding`` for a constraint traced now (see :func:`current_mesh`)."""
+    return NamedSharding(current_mesh(mesh), spec)
+
+
 def constrain(x: Any, names: Sequence[str | None]) -> Any:
     """Constrain activation ``x`` by logical names; identity outside :func:`activation_sharding`.
 
@@ -42,4 +57,4 @@ def constrain(x: Any, names: Sequence[str | None]) -> Any:
         return x
     mesh, rules = active
     spec = logical_spec(names, np.shape(x), mesh, rules)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, named(mesh, spec))

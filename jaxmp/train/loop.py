@@ -27,7 +27,8 @@ from jaxmp.config import TrainerConfig, config_to_toml
 from jaxmp.cost import ModelCost
 from jaxmp.data import to_global
 from jaxmp.plan import Plan
-from jaxmp.train import checks, guard, peers
+from jaxmp.parallel.reduce import without_data
+from jaxmp.train import checks, guard, peers, wire
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
 from jaxmp.train.metrics import (MetricsWriter, Profiler, Progress, batch_tokens,
                                  memory_metrics, total_peak_flops)
@@ -58,6 +59,8 @@ class Trainer:
     ``extensions`` add sharded, checkpointed state beside the model's (see
     :mod:`jaxmp.train.state`). ``pipeline`` says how the model splits into stages (a
     :class:`~jaxmp.train.pipeline.PipelineSpec`), which ``mesh.stage > 1`` requires.
+    ``compute_dtype``: the dtype the model computes in (e.g. the GPT's ``model.compute_dtype``);
+    with ``train.gather_dtype = "auto"`` fsdp gathers weights in it (docs/compression.md).
     """
 
     def __init__(self, config: TrainerConfig, model_fn: Callable, loss_fn: LossFn,
@@ -69,7 +72,7 @@ class Trainer:
                  cost: ModelCost | Callable[[], ModelCost] | None = None,
                  example_batch: Any = None,
                  extensions: Mapping[str, Extension] | None = None,
-                 pipeline: PipelineSpec | None = None):
+                 pipeline: PipelineSpec | None = None, compute_dtype: str | None = None):
         self.config = config
         self.model_fn, self.loss_fn = model_fn, loss_fn
         self.data, self.eval_data = data, eval_data
@@ -88,6 +91,9 @@ class Trainer:
         self.mesh = mesh_for(config, devices, self.plan)
         checks.check_batch(self.mesh, self.rules, config.train.batch_size,
                            config.train.grad_accum)  # refuse a batch the mesh cannot split
+        wire.check(config, self.mesh)
+        self.extensions = {**wire.extensions(config, self.mesh, path_rules), **self.extensions}
+        self.gather = wire.gather(config, self.mesh, self.rules, compute_dtype)
         self.is_main = jax.process_index() == 0
         self.tx = make_optimizer(config.optimizer, config.train.steps)
         self.lr_schedule = make_schedule(config.optimizer, config.train.steps)
@@ -101,24 +107,29 @@ class Trainer:
         checks.warn_idle_axes(self.layout, self.rules, path_rules, say)
         self.grad_fn = None if self.stages is None else make_pipeline_grad_fn(
             self.layout.graphdef, block_graphdef(abstract, pipeline), self.mesh, pipeline,
-            self.stages.schedule, self.stages.split, self.rules)
+            self.stages.schedule, self.stages.split,
+            without_data(self.rules) if wire.uses_reducer(config, self.mesh) else self.rules)
         self.state: TrainState | None = None
         self.history: list[dict] = []
         self._batch_spec = None
 
     # -- the one train step -------------------------------------------------------------------
-    def compile(self, batch: Any = None) -> Any:
+    def compile(self, batch: Any = None, warmup: bool = False) -> Any:
         """The train step, lowered and compiled for this mesh (what ``fit`` runs).
 
         ``batch``: a global batch (arrays or ShapeDtypeStructs); default ``example_batch``.
-        ``jaxmp plan --verify`` and ``jaxmp bench`` measure this same executable.
+        ``jaxmp plan --verify`` and ``jaxmp bench`` measure this same executable. ``warmup``:
+        the program of PowerSGD's uncompressed first steps (``train.powersgd_start``).
         """
         batch = self.example_batch if batch is None else batch
         if batch is None:
             raise ValueError("Trainer.compile needs a batch (or example_batch at construction)")
         step = make_train_step(self.layout, self.loss_fn, self.tx, self.lr_schedule, batch,
                                self.config.train.grad_accum, self.rules, self.config.train.seed,
-                               grad_fn=self.grad_fn, guard=self.guard)
+                               grad_fn=self.grad_fn, gather=self.gather,
+                               reducer=wire.reducer(self.config, self.mesh, self.layout,
+                                                    self.path_rules, warmup),
+                               guard=self.guard)
         return step.lower(self.layout.abstract, batch).compile()
 
     # -- set-up -------------------------------------------------------------------------------
@@ -171,6 +182,8 @@ class Trainer:
         data_iter = resume_iterator(self.data, resumed)  # continues the stream after a resume
         batch = self._next_global(data_iter)
         step_fn = self.compile(batch)  # the same executable runs the steps and reports its cost
+        warm = wire.warmup_steps(cfg, self.mesh)  # PowerSGD's uncompressed first steps
+        warm_fn = self.compile(batch, warmup=True) if start_step < warm else None
         eval_fn = make_eval_step(self.layout, self.loss_fn, batch, self.rules, t.seed,
                                  grad_fn=self.grad_fn).lower(
             self.layout.abstract, batch).compile() \
@@ -187,6 +200,8 @@ class Trainer:
                          f"{fmt_bytes(tree_bytes(self.layout.abstract.params))} params; "
                          f"steps {start_step}..{t.steps}; run dir {self.run_dir}")
         progress.message(f"jaxmp: params {lint.summary()}")
+        if wire.summary(cfg, self.mesh, self.gather):
+            progress.message(f"jaxmp: {wire.summary(cfg, self.mesh, self.gather)}")
         if lint.warning():
             say(f"jaxmp: warning: {lint.warning()}")
         profile = Profiler(cfg.logging.profile_steps, self.run_dir, self.is_main)
@@ -197,7 +212,8 @@ class Trainer:
                 profile.maybe_start(step)
                 if step > start_step:
                     batch = self._next_global(data_iter)
-                self.state, metrics = step_fn(self.state, batch)
+                run = warm_fn if step < warm else step_fn
+                self.state, metrics = run(self.state, batch)
                 done = step + 1
                 profile.maybe_stop(done)
                 stop = preempt.requested(done)  # SIGTERM/SIGINT: save here, then stop

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import sharding
@@ -36,7 +36,7 @@ def pin_batch(tree: Any, rows: int, mesh: Mesh, rules: Sequence) -> Any:
         if not isinstance(x, jax.Array) or x.ndim == 0 or x.shape[0] != rows:
             return x
         spec = P(axes[0], *([P.UNCONSTRAINED] * (x.ndim - 1)))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        return jax.lax.with_sharding_constraint(x, sharding.named(mesh, spec))
 
     # NNX objects passed along (an nnx.Rngs, a submodule) are pytrees too; rebuilding one from
     # its leaves would give the layer a copy (an Rngs whose draws no longer advance the

@@ -258,12 +258,14 @@ def make_pipeline_grad_fn(graphdef: Any, block_graphdef: Any, mesh: jax.sharding
         g_shared = jax.lax.psum(g_shared, STAGE)
         return g_stack, g_shared, jax.lax.psum(lw_sum, STAGE), jax.lax.psum(w_sum, STAGE)
 
-    run = jax.shard_map(body, mesh=mesh, in_specs=(P(STAGE), P(), P(), P()),
-                        out_specs=(P(STAGE), P(), P(), P()), axis_names={STAGE},
-                        check_vma=False)
-
     def grad_fn(params: Any, rest: Any, batch: dict, key: jax.Array | None = None) -> tuple:
         del key  # the GPT's blocks draw no randomness; see docs/pipeline.md
+        # The mesh as traced now: inside a data replica's shard_map (gradient compression)
+        # the stage shard_map nests in it.
+        run = jax.shard_map(body, mesh=sharding.current_mesh(mesh),
+                            in_specs=(P(STAGE), P(), P(), P()),
+                            out_specs=(P(STAGE), P(), P(), P()), axis_names={STAGE},
+                            check_vma=False)
         stack, shared = _split_params(params, spec.stack)
         micro = jax.tree.map(lambda x: _microbatches(x, m, mesh, rules), batch)
         with sharding.activation_sharding(mesh, rules):

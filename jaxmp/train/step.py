@@ -26,6 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmp import sharding
 from jaxmp.loss import LossFn, call_loss, split_loss
+from jaxmp.parallel.gather import WeightGather
+from jaxmp.parallel.reduce import Reducer, per_replica, without_data
 from jaxmp.train.guard import NonFiniteGuard
 from jaxmp.train.pinning import pin_batch, pinned_layers
 from jaxmp.train.state import StateLayout, TrainState
@@ -51,21 +53,26 @@ def step_key(seed: int, step: jax.Array | int, stream: int = _TRAIN_STREAM) -> j
 
 
 def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
-                 rules: Sequence = sharding.DEFAULT_RULES) -> Callable:
+                 rules: Sequence = sharding.DEFAULT_RULES, gather: WeightGather | None = None,
+                 keep_weight: bool = False) -> Callable:
     """``(params, rest, batch, key=None) -> (loss, grads, rest, aux)``, averaged over
     microbatches (microbatch j uses ``fold_in(key, j)``).
 
     Microbatches are weighted by ``aux["weight"]`` when the loss provides it (token counts), so
-    the accumulated step equals the full-batch step even when masks differ between them.
+    the accumulated step equals the full-batch step even when masks differ between them
+    (``keep_weight``: the total stays in ``aux["weight"]``). ``gather``: fsdp weights are
+    gathered in a narrower dtype (:mod:`jaxmp.parallel.gather`).
     """
     graphdef, mesh = layout.graphdef, layout.mesh
 
     def loss_of(params: Any, rest: Any, batch: dict, key: jax.Array, weighted: bool = True
                 ) -> tuple[jax.Array, tuple]:
+        if gather is not None:
+            params = gather.prepare(params)
         model = nnx.merge(graphdef, params, rest, copy=True)
         rows = int(jax.tree.leaves(batch)[0].shape[0])
         batch = pin_batch(batch, rows, mesh, rules)
-        with pinned_layers(model, rows, mesh, rules):
+        with pinned_layers(model, rows, mesh, rules), sharding.param_gathering(gather):
             loss, aux = split_loss(call_loss(loss_fn, model, batch, key))
         weight = aux.pop("weight", jnp.float32(1.0))
         _, _, new_rest = nnx.split(model, nnx.Param, ...)
@@ -88,7 +95,7 @@ def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
                                                           grad_accum)
             scale = 1.0 / jnp.maximum(weight, 1e-12)
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-            return wloss * scale, grads, rest, aux
+            return wloss * scale, grads, rest, {**aux, "weight": weight} if keep_weight else aux
 
     return grad_fn
 
@@ -126,22 +133,36 @@ def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, key: jax.A
 def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, example_batch: dict, grad_accum: int = 1,
                     rules: Sequence = sharding.DEFAULT_RULES, seed: int = 0,
-                    grad_fn: Callable | None = None,
+                    grad_fn: Callable | None = None, reducer: Reducer | None = None,
+                    gather: WeightGather | None = None,
                     guard: NonFiniteGuard | None = None) -> Callable:
     """Return the jitted ``step(state, batch) -> (state, metrics)`` with donated state.
 
-    ``grad_fn`` replaces the plain gradient (e.g. the pipeline executor's, same contract);
-    ``guard`` skips non-finite updates (its counters must be in the layout's ``extra``)."""
-    grad_fn = grad_fn or make_grad_fn(layout, loss_fn, grad_accum, rules)
+    ``grad_fn`` replaces the plain gradient (e.g. the pipeline executor's, same contract; built
+    with :func:`~jaxmp.parallel.reduce.without_data` rules when there is a ``reducer``).
+    ``reducer``: gradients are computed per data replica and reduced over ``data`` once per
+    step by it (:mod:`jaxmp.parallel.reduce`); without one XLA reduces them where they arise.
+    ``guard`` skips non-finite updates (its counters must be in the layout's ``extra``).
+    """
+    if reducer is None:
+        grad_fn = grad_fn or make_grad_fn(layout, loss_fn, grad_accum, rules, gather)
+    else:
+        grad_fn = per_replica(grad_fn or make_grad_fn(layout, loss_fn, grad_accum,
+                                                      without_data(rules), gather, True),
+                              layout.mesh, layout.shardings.params)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         key = step_key(seed, state.step)
         loss, grads, rest, aux = grad_fn(state.params, state.rest, batch, key)
+        extra = state.extra
+        if reducer is not None:
+            grads, extra = reducer(grads, extra)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step), **aux}
-        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rest=rest)
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rest=rest,
+                            extra=extra)
         if guard is not None:  # non-finite loss or gradient: keep the old state (train/guard.py)
             new, guarded = guard.apply(state, new, loss, metrics["grad_norm"])
             metrics.update(guarded)

@@ -1,0 +1,144 @@
+"""fsdp weight gathers in the compute dtype (or int8), not in the float32 master dtype.
+
+ZeRO-3 gathers every weight before it is used. Gathering the float32 master copy and casting
+afterwards moves twice the bytes a bfloat16 model needs; like FSDP2's mixed-precision policy and
+ZeRO++'s quantized weights, a :class:`WeightGather` casts (or quantizes) each fsdp-split weight
+*on its shard*, so what is gathered is the narrow copy:
+
+* ``bfloat16``: :meth:`WeightGather.prepare` casts the shards; XLA gathers them where the model
+  uses them (per layer inside a scanned stack) and reduce-scatters the bf16 gradients by
+  transposition. Any model benefits. (XLA's CPU backend widens bf16 collectives to float32
+  after partitioning; :func:`jaxmp.hlo.partitioned_text` shows the program before that.)
+* ``int8``: one float32 scale per index of the fsdp-split dim (absmax over the other dims);
+  int8 values and scales are gathered and dequantized into the compute dtype (lossy; the
+  gradient passes straight through). Weights outside a layer stack are gathered by the step,
+  each layer's slice by the model's :func:`jaxmp.sharding.constrain_param` (the GPT's scan);
+  the backward pass reuses the forward's gathered weights instead of gathering again — half
+  the gathers, but a device holds a whole dequantized stack during the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmp import sharding
+
+FSDP = "fsdp"
+STACK_NAMES = ("layers", "stage")  # leading dims of a layer stack: sliced, not gathered whole
+KINDS = ("auto", "param", "bfloat16", "int8")
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _without_fsdp(entry: Any) -> Any:
+    kept = tuple(a for a in _axes(entry) if a != FSDP)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def _matrix(names: Sequence[str | None]) -> bool:
+    return sum(n not in STACK_NAMES for n in names) >= 2
+
+
+@dataclass(frozen=True)
+class WeightGather:
+    """Gather fsdp-split weights as ``wire`` ("bfloat16" | "int8"), handing the model
+    ``out_dtype`` values."""
+
+    wire: str
+    out_dtype: str
+    mesh: Mesh
+    rules: tuple
+
+    def _spec(self, names: Sequence[str | None], shape: Sequence[int]) -> tuple:
+        spec = sharding.logical_spec(names, shape, self.mesh, self.rules)
+        return tuple(spec) + (None,) * (len(shape) - len(spec))
+
+    def __call__(self, x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+        """``x`` (one weight, or one layer's slice) gathered over fsdp as int8; other policies
+        leave the gather to XLA (``prepare`` already cast the shard)."""
+        names = sharding.fit_names(names, x.shape)
+        spec = self._spec(names, x.shape)
+        split = [d for d, e in enumerate(spec) if FSDP in _axes(e)]
+        if self.wire != "int8" or not split or not _matrix(names):
+            return x
+        sharded = sharding.named(self.mesh, P(*spec))
+        gathered = sharding.named(self.mesh, P(*(_without_fsdp(e) for e in spec)))
+        return _int8_gather(x, sharded, gathered, split, jnp.dtype(self.out_dtype))
+
+    def prepare(self, params: Any) -> Any:
+        """The step's view of the params: fsdp-split weight shards cast to bfloat16, or (int8)
+        those outside a layer stack gathered now — stacked ones are gathered per layer by the
+        model's :func:`constrain_param`."""
+
+        def one(v: Any) -> Any:
+            names, _ = sharding.names_of(v) if isinstance(v, nnx.Variable) else (None, "")
+            x = v[...] if isinstance(v, nnx.Variable) else v
+            if names is None or not jnp.issubdtype(x.dtype, jnp.floating):
+                return v
+            names = sharding.fit_names(names, x.shape)
+            if self.wire == "int8":
+                return v if names[0] in STACK_NAMES else v.replace(self(x, names))
+            spec = self._spec(names, x.shape)
+            if not _matrix(names) or not any(FSDP in _axes(e) for e in spec):
+                return v
+            cast = x.astype(jnp.bfloat16)
+            return v.replace(jax.lax.with_sharding_constraint(
+                cast, sharding.named(self.mesh, P(*spec))))
+
+        return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _int8_gather(x: jax.Array, sharded: NamedSharding, gathered: NamedSharding,
+                 split: list[int], out_dtype: Any) -> jax.Array:
+    master = x.dtype
+    constrain = jax.lax.with_sharding_constraint
+
+    def forward(x: jax.Array) -> jax.Array:
+        other = tuple(d for d in range(x.ndim) if d not in split)
+        xf = x.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(xf), axis=other, keepdims=True)
+        scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+        q = constrain(jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8), sharded)
+        q = constrain(q, gathered)  # the int8 values are what moves
+        scale = constrain(scale, NamedSharding(sharded.mesh, P()))
+        return (q.astype(jnp.float32) * scale).astype(out_dtype)
+
+    @jax.custom_vjp
+    def gather(x: jax.Array) -> jax.Array:
+        return forward(x)
+
+    def fwd(x: jax.Array) -> tuple[jax.Array, None]:
+        return forward(x), None
+
+    def bwd(_: None, ct: jax.Array) -> tuple[jax.Array]:  # straight through
+        return (constrain(ct, sharded).astype(master),)
+
+    gather.defvjp(fwd, bwd)
+    return gather(x)
+
+
+def weight_gather(kind: str, compute_dtype: str | None, mesh: Mesh,
+                  rules: Sequence) -> WeightGather | None:
+    """The gather policy of ``train.gather_dtype`` (``kind``) on ``mesh``, or None when weights
+    are gathered as stored: no fsdp axis, ``param``, or ``auto`` with no narrower compute
+    dtype known (``compute_dtype``: the model's, e.g. ``model.compute_dtype``)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown gather dtype {kind!r}")
+    if int(dict(mesh.shape).get(FSDP, 1)) == 1:
+        return None
+    if kind == "auto":
+        kind = "bfloat16" if compute_dtype == "bfloat16" else "param"
+    if kind == "param":
+        return None
+    out = compute_dtype or ("bfloat16" if kind == "bfloat16" else "float32")
+    return WeightGather(kind, out, mesh, sharding.normalize_rules(rules))

@@ -1,0 +1,88 @@
+"""What a run sends over the wire: its gradient reducer and its weight-gather policy.
+
+The Trainer asks here, from its config and mesh, (1) whether the data-axis gradient reduction
+is taken out of XLA's hands — needed to compress it (``train.grad_compression``) and to reduce
+once per step under gradient accumulation — and with what state (:mod:`jaxmp.parallel.reduce`),
+and (2) in which dtype fsdp gathers weights (``train.gather_dtype``,
+:mod:`jaxmp.parallel.gather`). With neither, the step is exactly XLA's plain program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jax.sharding import Mesh
+
+from jaxmp.config import TrainerConfig
+from jaxmp.errors import ConfigError
+from jaxmp.parallel.gather import WeightGather, weight_gather
+from jaxmp.parallel.reduce import STATE_KEY, Compression, Reducer, state_extension
+
+
+def data_size(mesh: Mesh) -> int:
+    return int(dict(mesh.shape).get("data", 1))
+
+
+def compression_of(config: TrainerConfig) -> Compression:
+    return Compression.from_config(config.train)
+
+
+def uses_reducer(config: TrainerConfig, mesh: Mesh) -> bool:
+    """A reducer is needed to compress, or to accumulate microbatches before reducing."""
+    return data_size(mesh) > 1 and (config.train.grad_compression != "none"
+                                    or config.train.grad_accum > 1)
+
+
+def extensions(config: TrainerConfig, mesh: Mesh, path_rules: Sequence | None) -> dict[str, Any]:
+    """The state the reduction carries (``TrainState.extra["grad_compression"]``), if any."""
+    comp = compression_of(config)
+    if not comp.stateful or data_size(mesh) == 1:
+        return {}
+    return {STATE_KEY: state_extension(comp, data_size(mesh), path_rules)}
+
+
+def check(config: TrainerConfig, mesh: Mesh) -> None:
+    """Bad input the per-replica step would otherwise trip over later."""
+    if not uses_reducer(config, mesh):
+        return
+    t, d = config.train, data_size(mesh)
+    if t.batch_size % (d * t.grad_accum):
+        raise ConfigError(f"train.batch_size: must be divisible by mesh.data={d} x "
+                          f"train.grad_accum={t.grad_accum} to reduce gradients per data "
+                          f"replica, got {t.batch_size}")
+
+
+def reducer(config: TrainerConfig, mesh: Mesh, layout: Any, path_rules: Sequence | None,
+            warmup: bool = False) -> Reducer | None:
+    """The step's reducer (None: XLA reduces). ``warmup``: PowerSGD's uncompressed steps."""
+    if not uses_reducer(config, mesh):
+        return None
+    comp = compression_of(config)
+    if warmup:
+        comp = comp.uncompressed()
+    if comp.kind == "none" and config.train.grad_accum == 1:
+        return None
+    return Reducer(comp, mesh, layout.abstract.params, layout.shardings.params, path_rules)
+
+
+def warmup_steps(config: TrainerConfig, mesh: Mesh) -> int:
+    """Steps that run the uncompressed program first (``train.powersgd_start``)."""
+    return compression_of(config).warmup_steps() if uses_reducer(config, mesh) else 0
+
+
+def gather(config: TrainerConfig, mesh: Mesh, rules: Sequence,
+           compute_dtype: str | None) -> WeightGather | None:
+    return weight_gather(config.train.gather_dtype, compute_dtype, mesh, rules)
+
+
+def summary(config: TrainerConfig, mesh: Mesh, gather_policy: WeightGather | None) -> str:
+    """One line for the run's start (empty when nothing is changed from XLA's defaults)."""
+    t, parts = config.train, []
+    if t.grad_compression != "none":
+        parts.append(f"gradients reduced as {t.grad_compression}" if data_size(mesh) > 1 else
+                     f"train.grad_compression={t.grad_compression!r} has no effect without a "
+                     f"data axis (mesh.data=1)")
+    if gather_policy is not None:
+        parts.append(f"fsdp weights gathered as {gather_policy.wire}")
+    return "; ".join(parts)

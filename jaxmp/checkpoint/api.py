@@ -32,7 +32,8 @@ def restore(path: str | os.PathLike, step: int | None = None, mesh: jax.sharding
     names (default ``rules.DEFAULT_RULES``; they replace the defaults — append
     ``rules.DEFAULT_RULES`` to extend them). ``what``: ``"params"`` (a checkpoint without a
     ``params`` subtree, e.g. a bare params tree, is all params), ``"state"`` (everything: step,
-    params, opt_state, rest) or any other top-level key.
+    params, opt_state, rest) or any other top-level key. Layer stacks a pipelined run stored
+    padded over its stages come back in the plain ``[layers, ...]`` layout.
     """
     mesh = mesh if mesh is not None else make_mesh({"fsdp": -1})
     rules = sharding.DEFAULT_RULES if rules is None else rules
@@ -42,6 +43,11 @@ def restore(path: str | os.PathLike, step: int | None = None, mesh: jax.sharding
         records = _select(meta["arrays"], what, step_dir)
         target = tree.target(records, tree.shardings_on(records, mesh, rules))
         flat = tree.flat_paths(store.restore_arrays(step_dir, target))
+        for p, rec in records.items():  # layer stacks stored padded over pipeline stages
+            if rec.get("rows") is not None:
+                plain = tree.plain_record(rec)
+                flat[p] = tree.convert(flat[p], rec, plain,
+                                       tree.shardings_on({p: plain}, mesh, rules)[p])
         return tree.nest(tree.rewrap(flat, records))
 
     if step is None and not store.is_step_dir(path):
@@ -112,7 +118,7 @@ def logical_names(path: str | os.PathLike, step: int | None = None,
     records = _select(store.read_meta(ckdir / str(step))["arrays"], what, ckdir / str(step))
     prefix = f"{what}{tree.SEP}" if what != "state" and any(
         p.startswith(f"{what}{tree.SEP}") for p in records) else ""
-    return {p[len(prefix):]: r.get("names") for p, r in records.items()}
+    return {p[len(prefix):]: tree.plain_record(r).get("names") for p, r in records.items()}
 
 
 def list_steps(path: str | os.PathLike) -> list[StepInfo]:

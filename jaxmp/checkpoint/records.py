@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -35,6 +36,7 @@ class Entry:
     path: str
     value: Any
     names: tuple[str | None, ...] | None
+    rows: tuple[int, ...] | None = None  # padded stage layout: each layer's flat padded row
 
 
 def entries(tree: Any, path_rules: Sequence | None = None,
@@ -61,7 +63,7 @@ def entries(tree: Any, path_rules: Sequence | None = None,
     out = []
     for leaf, v in zip(leaves, values):
         given = names.get(leaf.path, leaf.names) if leaf.names is None else leaf.names
-        out.append(Entry(leaf.path, v, tuple(given) if given is not None else None))
+        out.append(Entry(leaf.path, v, tuple(given) if given is not None else None, leaf.rows))
     return out
 
 
@@ -95,6 +97,8 @@ def record(entry: Entry) -> dict[str, Any]:
            "bytes": math.prod(np.shape(stored)) * np.dtype(stored.dtype).itemsize}
     if is_key(x):
         rec["prng_impl"] = key_impl_name(x)
+    if entry.rows is not None:
+        rec["rows"] = list(entry.rows)
     return rec
 
 
@@ -189,7 +193,12 @@ def rebuild(template: Any, flat: Mapping[str, Any], path_rules: Sequence | None 
 
 def mismatch(stored: Mapping[str, Mapping[str, Any]], expected: Mapping[str, Mapping[str, Any]],
              ) -> str | None:
-    """First difference between two record sets (paths, shapes, dtypes) as a phrase, or None."""
+    """First difference between two record sets (paths, shapes, dtypes) as a phrase, or None.
+
+    Layer stacks compare in the plain layout, so a pipelined checkpoint fits an unpipelined run
+    (or another split) of the same model."""
+    stored = {p: plain_record(r) for p, r in stored.items()}
+    expected = {p: plain_record(r) for p, r in expected.items()}
     for path in expected:
         if path not in stored:
             return f"{path} is in the model but not in the checkpoint"
@@ -202,3 +211,51 @@ def mismatch(stored: Mapping[str, Mapping[str, Any]], expected: Mapping[str, Map
                 return (f"{path} has {key} {stored[path][key]} in the checkpoint but "
                         f"{rec[key]} in the model")
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer stacks stored padded over pipeline stages ("rows" in the record) ⇄ the plain layout.
+
+
+def plain_record(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """The record an array has in the plain layout: ``[P, V·Lmax, ...]`` with ``rows`` becomes
+    ``[L, ...]`` named like the stack without its ``stage`` dim; other records are unchanged."""
+    rows = rec.get("rows")
+    if rows is None:
+        return dict(rec)
+    shape = [len(rows)] + list(rec["shape"][2:])
+    names = rec.get("names")
+    item = np.dtype(rec["dtype"]).itemsize
+    return {**{k: v for k, v in rec.items() if k != "rows"}, "shape": shape,
+            "names": list(names[1:]) if names else None, "spec": None,
+            "bytes": math.prod(shape) * item}
+
+
+def to_plain(x: jax.Array, rows: Sequence[int]) -> jax.Array:
+    """``[P, V·Lmax, ...]`` padded stack → ``[L, ...]`` (layer i = flat padded row rows[i])."""
+    flat = x.reshape((-1,) + x.shape[2:])
+    return jnp.take(flat, jnp.asarray(np.asarray(rows)), axis=0)
+
+
+def to_padded(x: jax.Array, rows: Sequence[int], shape: Sequence[int]) -> jax.Array:
+    """``[L, ...]`` → the padded stack of ``shape`` (zeros in padding rows)."""
+    flat = jnp.zeros((shape[0] * shape[1],) + tuple(shape[2:]), x.dtype)
+    return flat.at[jnp.asarray(np.asarray(rows))].set(x).reshape(tuple(shape))
+
+
+def convert(x: jax.Array, stored: Mapping[str, Any], wanted: Mapping[str, Any],
+            placement: jax.sharding.Sharding) -> jax.Array:
+    """``x`` (restored as ``stored`` describes it) in the layout ``wanted`` describes, placed
+    with ``sharding``: plain ⇄ padded, or padded with one split ⇄ padded with another."""
+    def change(a: jax.Array) -> jax.Array:
+        if stored.get("rows") is not None:
+            a = to_plain(a, stored["rows"])
+        if wanted.get("rows") is not None:
+            a = to_padded(a, wanted["rows"], wanted["shape"])
+        return a
+
+    return jax.jit(change, out_shardings=placement)(x)
+
+
+def needs_conversion(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    return stored.get("rows") != wanted.get("rows") or stored["shape"] != wanted["shape"]

@@ -28,6 +28,7 @@ from jaxmp.sharding.resolve import (DEFAULT_RULES, Names, PathRule, Resolution, 
 
 # Where flax keeps logical names in Variable metadata, newest first (0.12: out_sharding).
 METADATA_KEYS = ("out_sharding", "sharding_names", "sharding")
+ROWS_KEY = "stage_rows"  # Variable metadata of a layer stack stored padded over stages
 
 
 def without_eager_sharding() -> Any:
@@ -57,6 +58,9 @@ class Leaf:
     nbytes: int
     names: Names | None  # padded to the rank
     given: int = 0  # how many names were given (fewer than dims: the rest replicated)
+    # A stacked layer axis stored padded over pipeline stages: the flat padded row of each
+    # layer (Variable metadata ROWS_KEY), so a checkpoint can restore the plain layout.
+    rows: tuple[int, ...] | None = None
 
 
 def _is_leaf(x: Any) -> bool:
@@ -147,7 +151,9 @@ def tree_leaves(tree: Any, path_rules: Sequence[PathRule] | None = None) -> tupl
             names = None
         elif names is not None:
             names = fit_names(names, shape, path, source)
-        leaves.append(Leaf(path, shape, nbytes(value), names, given))
+        rows = x.get_metadata().get(ROWS_KEY) if isinstance(x, nnx.Variable) else None
+        leaves.append(Leaf(path, shape, nbytes(value), names, given,
+                           tuple(rows) if rows is not None else None))
     return leaves, treedef
 
 

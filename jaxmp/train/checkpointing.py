@@ -21,6 +21,7 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from jaxmp import sharding
 from jaxmp._util.log import say
 from jaxmp.checkpoint import records as tree
 from jaxmp.checkpoint import store
@@ -53,10 +54,10 @@ class TrainCheckpointer:
     """Checkpoints of one run directory for a state with ``layout`` (see :mod:`jaxmp.train.state`)."""
 
     def __init__(self, run_dir: str | Path, config: TrainerConfig, layout: Any,
-                 path_rules: Sequence | None = None):
+                 path_rules: Sequence | None = None, rules: Sequence | None = None):
         self.cfg: CheckpointConfig = config.checkpoint
         self.dir = Path(run_dir) / "checkpoints"
-        self.layout, self.path_rules = layout, path_rules
+        self.layout, self.path_rules, self.rules = layout, path_rules, rules
         self.config_toml = config_to_toml(config)
         self.plan_path = Path(run_dir) / "plan.json"
         abstract = tree.entries(layout.abstract, path_rules)
@@ -114,8 +115,14 @@ class TrainCheckpointer:
         if problem:  # the user's config changed: an error, not damage to fall back from
             raise CheckpointError(f"checkpoint {step_dir} does not fit the configured model: "
                                   f"{problem}")
-        target = tree.target(meta["arrays"], self.shardings)
-        flat = tree.flat_paths(store.restore_arrays(step_dir, target))
+        stored = meta["arrays"]
+        moved = {p for p in self.expected if tree.needs_conversion(stored[p], self.expected[p])}
+        placed = {**self.shardings, **tree.shardings_on(
+            {p: stored[p] for p in moved}, self.layout.mesh,
+            self.rules if self.rules is not None else sharding.DEFAULT_RULES)}
+        flat = tree.flat_paths(store.restore_arrays(step_dir, tree.target(stored, placed)))
+        for p in moved:  # e.g. a run resumed with other pipeline stages, or without them
+            flat[p] = tree.convert(flat[p], stored[p], self.expected[p], self.shardings[p])
         state = tree.rebuild(self.layout.abstract, tree.rewrap(flat, meta["arrays"]),
                              self.path_rules)
         return state, store.read_json(step_dir, "data", missing_ok=True)

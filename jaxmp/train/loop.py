@@ -152,7 +152,7 @@ class Trainer:
             raise ValueError("this Trainer was built without data; it can compile, not fit")
         lint = self.lint()
         self._write_run_files(lint)
-        ckpt = TrainCheckpointer(self.run_dir, cfg, self.layout, self.path_rules)
+        ckpt = TrainCheckpointer(self.run_dir, cfg, self.layout, self.path_rules, self.rules)
         resumed = ckpt.restore() if self.state is None else None  # newest readable checkpoint
         if resumed is not None:
             self.state = resumed.state

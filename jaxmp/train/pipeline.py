@@ -35,9 +35,9 @@ from jaxmp.loss import split_loss
 from jaxmp.parallel.schedule import Schedule
 from jaxmp.parallel.stages import StageSplit
 from jaxmp.remat import checkpointed
+from jaxmp.sharding.tree import ROWS_KEY
 
 STAGE = "stage"
-ROWS_KEY = "stage_rows"  # Variable metadata: padded row of each block (checkpoints use it)
 _CHEAP = frozenset("""convert_element_type dynamic_slice slice sharding_constraint reshape
 broadcast_in_dim transpose squeeze expand_dims copy copy_p select_n concatenate pad iota
 """.split())

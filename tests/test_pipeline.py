@@ -1,0 +1,213 @@
+"""Pipeline parallelism (mesh.stage > 1): schedules, FLOP-balanced uneven stages, equivalence
+with the non-pipelined step in float32, memory by schedule, bad input, checkpoints that move
+between pipelined and plain layouts."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxmp
+from jaxmp import sharding
+from jaxmp.checkpoint.records import to_plain
+from jaxmp.config import OptimizerConfig
+from jaxmp.errors import ConfigError
+from jaxmp.models import next_token_loss
+from jaxmp.parallel.schedule import Schedule
+from jaxmp.parallel.stages import split_layers
+from jaxmp.recipes.gpt import gpt_trainer
+from jaxmp.train.optimizer import make_optimizer
+from jaxmp.train.pipeline import PipelineSpec, block_graphdef, make_pipeline_grad_fn, to_stages
+from jaxmp.train.state import init_state, plan_state
+from jaxmp.train.step import batch_sharding, make_grad_fn
+from helpers import TINY, gpt_fn, lm_batch, one_device
+
+SPEC = PipelineSpec("blocks", pre=lambda m, b: m.embed_tokens(b["inputs"]),
+                    post=lambda m, x, b: next_token_loss(m.logits(x), b))
+OPT = OptimizerConfig(lr=1e-3, warmup_steps=1, eps=1e-4)
+
+
+# ---------------------------------------------------------------- the schedule description
+
+@pytest.mark.parametrize("kind,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                          ("interleaved", 3)])
+def test_closed_forms_equal_the_tick_tables(kind, virtual):
+    """The planner's numbers (ticks, microbatches in flight, step time) are the executor's."""
+    for p in (2, 3, 4, 8):
+        for m in range(p, 4 * p + 1):
+            if kind == "interleaved" and m % p:
+                continue
+            s = Schedule(kind, p, m, virtual)
+            assert len(s.events) == s.n_ticks
+            done_f, done_b, peak = [0] * p, [0] * p, [0] * p
+            for row in s.events:
+                for d, (f, b) in enumerate(row):
+                    done_f[d] += f is not None
+                    peak[d] = max(peak[d], done_f[d] - done_b[d])
+                    done_b[d] += b is not None
+            assert peak == [s.in_flight(d) for d in range(p)]
+            # every chunk equally fast (forward 1, backward 2): the bubble is (P-1)/(V·M+P-1)
+            t = s.lockstep_time([1.0] * s.chunks, [2.0] * s.chunks)
+            assert t == pytest.approx(3 * s.step_units())
+            assert 1 - 3 * m * virtual / t == pytest.approx(s.bubble_fraction)
+            s.program()  # every slot is assigned
+
+
+def test_1f1b_and_interleaved_bound_what_is_in_flight():
+    gpipe, one, inter = (Schedule("gpipe", 4, 16), Schedule("1f1b", 4, 16),
+                         Schedule("interleaved", 4, 16, 2))
+    assert gpipe.in_flight(0) == 16 and one.in_flight(0) == 7 and one.in_flight(3) == 1
+    assert inter.bubble_fraction < one.bubble_fraction == gpipe.bubble_fraction
+
+
+@pytest.mark.parametrize("args,key", [
+    (("1f1b", 4, 2), "pipeline.microbatches"), (("interleaved", 2, 4, 1), "virtual_stages"),
+    (("interleaved", 4, 6, 2), "pipeline.microbatches"), (("gpipe", 2, 4, 2), "virtual_stages"),
+    (("zigzag", 2, 4), "pipeline.schedule")])
+def test_impossible_schedules_are_bad_input(args, key):
+    with pytest.raises(ConfigError, match=key):
+        Schedule(*args)
+
+
+def test_flop_balanced_split_gives_a_heavy_head_fewer_blocks():
+    costs = [0.0] + [1.0] * 8 + [3.0]  # pre, 8 equal blocks, a head worth three blocks
+    flops = split_layers(costs, 2, balance="flops")
+    layers = split_layers(costs, 2, balance="layers")
+    assert flops.per_chunk == [6, 2] and layers.per_chunk == [4, 4]
+    assert max(sum(costs[a:b]) for a, b in flops.bounds) < \
+        max(sum(costs[a:b]) for a, b in layers.bounds)
+    rows = flops.rows
+    assert rows.shape == (2, 6) and list(rows[1]) == [6, 7, -1, -1, -1, -1]
+    assert sorted(flops.flat_index()) == list(flops.flat_index()) == [0, 1, 2, 3, 4, 5, 6, 7]
+    with pytest.raises(ConfigError, match="model.layers"):
+        split_layers([0.0, 1.0, 1.0, 0.0], 2, virtual=2)
+
+
+# ---------------------------------------------------------------- equal to one device
+
+@pytest.fixture(scope="module")
+def reference():
+    """Loss and gradients of one step of the 6-layer test GPT on one device."""
+    cfg = dataclasses.replace(TINY, layers=6)
+    tx = make_optimizer(OPT, 10)
+    layout = plan_state(gpt_fn(cfg), tx, jaxmp.make_mesh({}, one_device()))
+    state = init_state(layout, gpt_fn(cfg), tx, 0)
+    loss, grads, _, _ = jax.jit(make_grad_fn(layout, jaxmp.models.lm_loss))(
+        state.params, state.rest, lm_batch(batch=16))
+    return cfg, tx, float(loss), grads
+
+
+CASES = {  # schedule, stages, microbatches, virtual, other axes, balance costs
+    "gpipe-2-even": ("gpipe", 2, 2, 1, {}, "layers"),
+    "1f1b-2-uneven": ("1f1b", 2, 4, 1, {"data": 2}, "flops"),
+    "1f1b-4-uneven": ("1f1b", 4, 8, 1, {}, "flops"),
+    "interleaved-2x2": ("interleaved", 2, 4, 2, {"data": 2}, "flops"),
+    "1f1b-2-fsdp2-tensor2": ("1f1b", 2, 4, 1, {"fsdp": 2, "tensor": 2}, "flops"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipelined_gradients_equal_one_device(case, reference):
+    cfg, tx, ref_loss, ref_grads = reference
+    kind, p, m, v, axes, balance = CASES[case]
+    costs = [0.0] + [1.0] * cfg.layers + [2.5]  # a head worth 2.5 blocks: uneven by FLOPs
+    split = split_layers(costs, p, v, balance)
+    if balance == "flops":
+        assert len(set(split.per_chunk)) > 1, split.per_chunk  # really uneven
+    n = p * int(np.prod(list(axes.values()) or [1]))
+    mesh = jaxmp.make_mesh({"stage": p, **axes}, jax.devices()[:n])
+    layout = plan_state(gpt_fn(cfg), tx, mesh,
+                        transform=lambda params: to_stages(params, SPEC, split))
+    state = init_state(layout, gpt_fn(cfg), tx, 0)
+    bg = block_graphdef(sharding.abstract(lambda: gpt_fn(cfg)(nnx.Rngs(0))), SPEC)
+    grad_fn = make_pipeline_grad_fn(layout.graphdef, bg, mesh, SPEC, Schedule(kind, p, m, v),
+                                    split, sharding.DEFAULT_RULES)
+    batch = lm_batch(batch=16)
+    gbatch = jax.device_put(batch, batch_sharding(layout, sharding.DEFAULT_RULES, batch))
+    loss, grads, _, _ = jax.jit(grad_fn)(state.params, state.rest, gbatch)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-6)
+    index = split.flat_index()
+    for g, r in zip(jax.tree.leaves(grads["blocks"]), jax.tree.leaves(ref_grads["blocks"]),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(to_plain(g, index)), np.asarray(r), rtol=1e-5,
+                                   atol=1e-6 * np.abs(np.asarray(r)).max())
+    for key in ("embed", "final_norm"):
+        for g, r in zip(jax.tree.leaves(grads[key]), jax.tree.leaves(ref_grads[key]),
+                        strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5,
+                                       atol=1e-6 * np.abs(np.asarray(r)).max())
+
+
+# ---------------------------------------------------------------- through the Trainer
+
+BASE = ["model.layers=4", "model.d_model=64", "model.heads=4", "train.batch_size=16",
+        "data.seq_len=32", "data.source=synthetic", "logging.progress=false",
+        "logging.tensorboard=false", "train.steps=3", "logging.every=1", "optimizer.eps=1e-4",
+        "train.eval_every=0", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
+
+
+def _fit(run_dir, *extra, devices=None, steps=3):
+    config = jaxmp.load_config(None, BASE + [f"train.steps={steps}", *extra])
+    trainer = gpt_trainer(config, run_dir, devices=devices)
+    trainer.fit()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    return _fit(tmp_path_factory.mktemp("plain"), "mesh.stage=1", devices=one_device())
+
+
+def _plain_params(trainer) -> dict:
+    return jaxmp.checkpoint.restore(trainer.run_dir, mesh=jaxmp.make_mesh({}, one_device()))
+
+
+def test_three_steps_and_checkpoints_match_the_plain_run(plain_run, tmp_path):
+    """stage2 x fsdp2 x tensor2, 1F1B: the same losses, and its checkpoint restores in the plain
+    layout (on one device) with the plain run's values; resuming it without stages, and the
+    plain checkpoint with stages, continue with identical values."""
+    piped = _fit(tmp_path / "piped", "mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2",
+                 "checkpoint.async_save=false")
+    assert piped.stages is not None and piped.stages.schedule.kind == "1f1b"
+    np.testing.assert_allclose([h["loss"] for h in piped.history],
+                               [h["loss"] for h in plain_run.history], rtol=1e-5)
+    a, b = _plain_params(piped), _plain_params(plain_run)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.shape == y.shape
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    # the pipelined checkpoint resumed without stages, and the plain one with 4 stages
+    unpiped = _fit(tmp_path / "piped", "mesh.stage=1", devices=one_device(), steps=4)
+    repiped = _fit(plain_run.run_dir, "mesh.stage=4", "mesh.data=2", steps=4)
+    np.testing.assert_allclose(unpiped.history[-1]["loss"], repiped.history[-1]["loss"],
+                               rtol=1e-5)
+
+
+def test_bad_pipeline_settings_are_one_line_errors(tmp_path):
+    bad = {("mesh.stage=2", "pipeline.microbatches=1"): "pipeline.microbatches",
+           ("mesh.stage=4", "pipeline.virtual_stages=2", "pipeline.schedule=interleaved",
+            "pipeline.microbatches=4"): "model.layers",
+           ("mesh.stage=2", "pipeline.microbatches=32"): "train.batch_size",
+           ("mesh.stage=2", "train.grad_accum=2"): "train.grad_accum"}
+    for extra, key in bad.items():
+        config = jaxmp.load_config(None, BASE + list(extra))
+        with pytest.raises(ConfigError, match=key) as e:
+            gpt_trainer(config, tmp_path, with_data=False, devices=jax.devices()[:int(
+                extra[0].split("=")[1])])
+        assert "\n" not in str(e.value)
+
+
+def test_1f1b_and_interleaved_use_less_memory_than_gpipe(tmp_path):
+    """P=4, M=8: the compiled step's temporary memory, as the schedules' in-flight counts say."""
+    temp = {}
+    for kind, extra in (("gpipe", []), ("1f1b", []),
+                        ("interleaved", ["pipeline.virtual_stages=2"])):
+        config = jaxmp.load_config(None, BASE + ["mesh.stage=4", "pipeline.microbatches=8",
+                                                 "model.layers=8", f"pipeline.schedule={kind}",
+                                                 *extra])
+        trainer = gpt_trainer(config, tmp_path, with_data=False, devices=jax.devices()[:4])
+        temp[kind] = trainer.compile().memory_analysis().temp_size_in_bytes
+    assert temp["1f1b"] < temp["gpipe"] and temp["interleaved"] < temp["gpipe"], temp

@@ -38,8 +38,8 @@ def main() -> int:
               f"{fmt_time(run.step_time_s)} per step | {mesh_str(g.mesh)}, {describe(g.layout)}"
               f": {mem} | {step} | {mesh_str(p.mesh)}, {describe_plan(p)} "
               f"({'fits' if p.fits else 'DOES NOT FIT'}) | "
-              f"{fmt_time(p.predicted.step_time_s)} | <!-- {time.perf_counter() - start:.1f} s -->",
-              flush=True)
+              f"{fmt_time(p.predicted.step_time_s)} |", flush=True)
+        print(f"{run.name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     config = load_config(None, list(GPT3_175B))
     start = time.perf_counter()
     gpt_costs(config)

@@ -110,6 +110,17 @@ def test_predicted_bubble_is_the_tick_tables(heavy):
             4 * m) - 1e-6  # a send each way at every tick
 
 
+def test_planner_ranks_schedule_memory_as_compiled():
+    """P=4, M=8 on tests/test_pipeline.py's config, whose compiled temporaries are GPipe's >
+    1F1B's and interleaved's: the planner predicts the same order."""
+    config = _config("model.layers=8", "model.heads=4", "data.source=synthetic", base=SMALL)
+    ctx = Context(gpt_costs(config, ("none",)), CPU, 4)
+    mesh = (("data", 1), ("stage", 4), ("fsdp", 1), ("tensor", 1))
+    acts = {kind: predict(ctx, Layout(mesh, "none", 8, kind, v)).per_device_bytes
+            for kind, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))}
+    assert acts["1f1b"] < acts["gpipe"] and acts["interleaved"] < acts["gpipe"], acts
+
+
 def test_plan_stages_are_what_the_trainer_runs(heavy):
     """A pipeline plan handed to the Trainer: same schedule, virtual stages, microbatches and
     chunk boundaries (nothing compiled)."""
@@ -209,3 +220,66 @@ def test_verify_a_pipeline_plan(capsys):
     assert v["peak_bytes"]["rel_err"] < 0.30, v
     assert v["comm_bytes_per_step"]["compiled"] > 0 and np.isfinite(
         v["comm_bytes_per_step"]["predicted"])
+
+
+def test_pipeline_keeps_the_remat_policy():
+    """With model.remat = full the executor stashes each block's input per microbatch-chunk in
+    flight, not its activations (an outer stash policy used to override the blocks' remat),
+    and the gradients still equal the plain step's."""
+    import dataclasses
+
+    from flax import nnx
+
+    import jaxmp
+    from jaxmp import sharding
+    from jaxmp.checkpoint.records import to_plain
+    from jaxmp.config import OptimizerConfig
+    from jaxmp.models import lm_loss, next_token_loss
+    from jaxmp.train.optimizer import make_optimizer
+    from jaxmp.train.pipeline import PipelineSpec, block_graphdef, make_pipeline_grad_fn, to_stages
+    from jaxmp.train.state import init_state, plan_state
+    from jaxmp.train.step import batch_sharding, make_grad_fn
+    from helpers import TINY, gpt_fn, lm_batch
+
+    cfg = dataclasses.replace(TINY, layers=4, remat="full")
+    tx = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=1, eps=1e-4), 10)
+    batch = lm_batch(batch=16)
+    plain = plan_state(gpt_fn(cfg), tx, jaxmp.make_mesh({}, jax.devices()[:1]))
+    ref_loss, ref_grads, _, _ = jax.jit(make_grad_fn(plain, lm_loss))(
+        init_state(plain, gpt_fn(cfg), tx, 0).params, nnx.State({}), batch)
+    stash = {}
+    for remat in ("none", "full"):
+        spec = PipelineSpec("blocks", pre=lambda m, b: m.embed_tokens(b["inputs"]),
+                            post=lambda m, x, b: next_token_loss(m.logits(x), b), remat=remat)
+        split = split_layers([0.0] + [1.0] * 4 + [1.0], 2)
+        mesh = jaxmp.make_mesh({"stage": 2}, jax.devices()[:2])
+        layout = plan_state(gpt_fn(dataclasses.replace(cfg, remat=remat)), tx, mesh,
+                            transform=lambda p: to_stages(p, spec, split))
+        state = init_state(layout, gpt_fn(cfg), tx, 0)
+        bg = block_graphdef(sharding.abstract(lambda: gpt_fn(cfg)(nnx.Rngs(0))), spec)
+        grad_fn = make_pipeline_grad_fn(layout.graphdef, bg, mesh, spec,
+                                        Schedule("1f1b", 2, 4), split, sharding.DEFAULT_RULES)
+        gbatch = jax.device_put(batch, batch_sharding(layout, sharding.DEFAULT_RULES, batch))
+        jaxpr = jax.make_jaxpr(grad_fn)(state.params, state.rest, gbatch)
+        stash[remat] = max(sum(v.aval.size * v.aval.dtype.itemsize for v in e.invars)
+                           for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "scan")
+        if remat == "full":
+            loss, grads, _, _ = jax.jit(grad_fn)(state.params, state.rest, gbatch)
+            np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+            index = split.flat_index()
+            for key in ("blocks", "embed", "final_norm"):
+                for g, r in zip(jax.tree.leaves(grads[key]), jax.tree.leaves(ref_grads[key]),
+                                strict=True):
+                    g = to_plain(g, index) if key == "blocks" else g
+                    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5,
+                                               atol=1e-6 * np.abs(np.asarray(r)).max())
+    assert stash["full"] < stash["none"] / 3, stash
+
+
+def _eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            inner = getattr(v, "jaxpr", v)
+            if hasattr(inner, "eqns"):
+                yield from _eqns(inner)

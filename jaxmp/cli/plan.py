@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         fixed = replace(config, mesh=dict(result.mesh))
         result.verify = verify_prediction(
-            lambda devices: gpt_trainer(fixed, devices=devices, with_data=False),
+            lambda devices: gpt_trainer(fixed, devices=devices, with_data=False, plan=result),
             result.mesh, result.predicted, jax.devices())
     if args.json:
         out = result.to_json()

@@ -18,6 +18,7 @@ embedding), each block, other top-level modules, ``post`` (head and loss); range
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Mapping, Sequence
@@ -102,14 +103,10 @@ class Plan:
         kw = dict(args["kw"], fixed=mesh)
         if "remat" in given:
             kw["remats"] = (given["remat"],)
-        pipe = kw["pipeline"] or PipelineOptions()
-        kw["pipeline"] = PipelineOptions(
-            schedule=given.get("schedule", pipe.schedule),
-            virtual=int(given.get("virtual", pipe.virtual)) if given.get(
-                "virtual", pipe.virtual) != "auto" else "auto",
-            microbatches=int(given.get("microbatches", pipe.microbatches)) if given.get(
-                "microbatches", pipe.microbatches) != "auto" else "auto",
-            runnable=pipe.runnable, why_not=pipe.why_not)
+        kw["pipeline"] = dataclasses.replace(
+            kw["pipeline"] or PipelineOptions(),
+            **{k: given[k] if k == "schedule" or given[k] == "auto" else int(given[k])
+               for k in ("schedule", "virtual", "microbatches") if k in given})
         if mesh["stage"] == 1 and "microbatches" in given:
             kw["grad_accum"] = int(given["microbatches"])
         _, result = _search(args["cost"], self.n_devices, self.device, self.rules, kw)

@@ -1,10 +1,17 @@
-"""Device profiles: peak FLOP/s, memory and link bandwidths per device kind.
+"""Device profiles: peak FLOP/s, achievable efficiency, memory and link bandwidths per kind.
 
-Used for MFU and by the planner's predictions. Numbers are vendor peaks per device (dense bf16,
+Used for MFU and by the planner's predictions. Peaks are vendor numbers per device (dense bf16,
 no sparsity; NVLink and InfiniBand per direction); a cluster that differs (PCIe cards, fewer
 NICs) overrides any of them from the config's ``[device]`` section. CPUs have no meaningful
 datasheet number, so their peak is measured with a large matmul, and their memory is the host's
 RAM, which all simulated devices of the host share.
+
+No training step runs at the datasheet peak. ``efficiency`` is the fraction of ``peak_flops``
+a transformer's training compute reaches in practice (matmuls with the memory-bound operations
+between them, before communication and pipeline bubbles), from public measurements for GPUs
+and measured here for the CPU (``scripts/device_efficiency.py``); docs/planner.md lists the
+sources. ``overlap``: the backend runs collectives asynchronously beside compute (XLA's
+latency-hiding scheduler on GPUs); the CPU backend does not.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ class DeviceProfile:
     inter_host_bw: float  # bytes/s each device sends across hosts (InfiniBand / Ethernet)
     devices_per_host: int = 8  # 0: every device is on one host (simulated CPU devices)
     usable_fraction: float = 0.75  # of memory_bytes a process may fill (JAX GPU preallocation)
+    efficiency: float = 0.5  # achievable fraction of peak_flops in a training step's compute
+    overlap: bool = True  # collectives run beside compute (GPU latency-hiding scheduler)
     shared_host: bool = False  # devices share the host's cores and RAM (CPU simulation)
     # The backend computes 16-bit matmuls in float32 (XLA:CPU): their activations and the
     # collectives on them are float32-sized.
@@ -44,17 +53,27 @@ class DeviceProfile:
         return dataclasses.asdict(self)
 
 
+# Efficiencies (docs/planner.md has the sources): A100 0.60 — Megatron-LM's 1T run reached 52 %
+# of peak end to end, bubble and communication included, torchtitan's Llama 3 8B on A100s
+# 57-58 % MFU; H100 0.45 — Megatron-Core GPT-3 175B ~390 TFLOP/s (39 %), Llama 3 405B 38-43 %
+# MFU, torchtitan Llama 3.1 8B 33-39 %; H200: the H100's compute with 1.4x its memory bandwidth
+# for the memory-bound operations, 0.50 (fewer public bf16 numbers).
 PROFILES: dict[str, DeviceProfile] = {
-    "A100-40GB": DeviceProfile("A100-40GB", 312e12, 40 * GiB, 300e9, 25e9),
-    "A100-80GB": DeviceProfile("A100-80GB", 312e12, 80 * GiB, 300e9, 25e9),
-    "H100": DeviceProfile("H100", 989e12, 80 * GiB, 450e9, 50e9),
-    "H200": DeviceProfile("H200", 989e12, 141e9, 450e9, 50e9),
-    # CPU: peak measured at run time, memory read from the host; "links" are memcpy.
+    "A100-40GB": DeviceProfile("A100-40GB", 312e12, 40 * GiB, 300e9, 25e9, efficiency=0.60),
+    "A100-80GB": DeviceProfile("A100-80GB", 312e12, 80 * GiB, 300e9, 25e9, efficiency=0.60),
+    "H100": DeviceProfile("H100", 989e12, 80 * GiB, 450e9, 50e9, efficiency=0.45),
+    # The 96 GB HBM2e H100 (e.g. Meta's Grand Teton hosts, where torchtitan measures).
+    "H100-96GB": DeviceProfile("H100-96GB", 989e12, 96 * GiB, 450e9, 50e9, efficiency=0.45),
+    "H200": DeviceProfile("H200", 989e12, 141e9, 450e9, 50e9, efficiency=0.50),
+    # CPU: peak measured at run time (a 1024^2 float32 matmul), memory read from the host;
+    # "links" are memcpy. A GPT's forward + backward reaches about half the matmul rate
+    # (scripts/device_efficiency.py on 2 cores: 0.009 of 0.018 TFLOP/s).
     "CPU": DeviceProfile("CPU", 5e10, 16 * GiB, 1e10, 1e9, devices_per_host=0,
-                         usable_fraction=0.8, shared_host=True, upcasts_16bit=True),
+                         usable_fraction=0.8, efficiency=0.5, overlap=False, shared_host=True,
+                         upcasts_16bit=True),
 }
 OVERRIDABLE = tuple(f.name for f in dataclasses.fields(DeviceProfile)
-                    if f.name not in ("kind", "shared_host", "upcasts_16bit"))
+                    if f.name not in ("kind", "shared_host", "upcasts_16bit", "overlap"))
 
 
 def match_kind(device_kind: str) -> str | None:
@@ -64,6 +83,8 @@ def match_kind(device_kind: str) -> str | None:
     k = device_kind.upper()
     if "H200" in k:
         return "H200"
+    if "H100" in k and "96" in k:
+        return "H100-96GB"
     if "H100" in k or "H800" in k or "GH200" in k:
         return "H100"
     if "A100" in k or "A800" in k:

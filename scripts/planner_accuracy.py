@@ -6,7 +6,8 @@
 2. each distinct layer's forward (and forward + backward) FLOPs vs XLA's ``cost_analysis`` of
    the layer compiled alone;
 3. on 8 simulated CPU devices, predicted vs compiled per-device argument bytes, peak bytes
-   (argument + temp) and collective bytes for data, fsdp, tensor and a hybrid mesh.
+   (argument + temp) and collective bytes for data, fsdp, tensor and a hybrid mesh, and with
+   ``--meshes s2d4,s2f2t2,s4d2`` for pipeline stages (the plan's schedule and microbatches).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import sys
 
 MESHES = {"data8": {"data": 8}, "fsdp8": {"fsdp": 8}, "tensor8": {"tensor": 8},
           "d2f2t2": {"data": 2, "fsdp": 2, "tensor": 2}, "d4t2": {"data": 4, "tensor": 2},
-          "f4t2": {"fsdp": 4, "tensor": 2}}
+          "f4t2": {"fsdp": 4, "tensor": 2}, "s2d4": {"stage": 2, "data": 4},
+          "s2f2t2": {"stage": 2, "fsdp": 2, "tensor": 2}, "s4d2": {"stage": 4, "data": 2}}
 
 
 def megatron_flops(config) -> tuple[float, float]:
@@ -86,11 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(None, args.set + fixed)
         plan = plan_for_config(config, gpt_costs(config, (config.model.remat,)), 8,
                                device_kind="CPU", strict=True)
-        v = verify_prediction(lambda d, c=config: gpt_trainer(c, devices=d, with_data=False),
-                              plan.mesh, plan.predicted, jax.devices())
+        v = verify_prediction(
+            lambda d, c=config, p=plan: gpt_trainer(c, devices=d, with_data=False, plan=p),
+            plan.mesh, plan.predicted, jax.devices())
         cells = [f"{v[k]['predicted'] / 2**20:.2f} / {v[k]['compiled'] / 2**20:.2f} MiB / "
                  f"{v[k]['rel_err']:.1%}" for k in ("argument_bytes", "peak_bytes",
                                                     "comm_bytes_per_step")]
+        if plan.schedule:  # a pipeline: which schedule the plan (and the compiled step) ran
+            name += f" ({plan.schedule}{f' x{plan.virtual}' if plan.virtual > 1 else ''}, " \
+                    f"{plan.microbatches} mb)"
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     return 0
 

@@ -66,7 +66,7 @@ def test_gpt2_small_values():
     c = load_config(shipped("gpt2-small"))
     m = c.model
     assert (m.layers, m.d_model, m.heads, m.vocab_size) == (12, 768, 12, 50304)
-    assert (m.compute_dtype, m.remat, m.resolved_mlp_dim) == ("bfloat16", "save_dots", 3072)
+    assert (m.compute_dtype, m.remat, m.resolved_mlp_dim) == ("bfloat16", "auto", 3072)
     assert (c.data.seq_len, c.data.source, c.train.batch_size) == (1024, "synthetic", 64)
     assert (c.optimizer.lr, c.train.steps) == (6e-4, 5000)
 
@@ -77,7 +77,7 @@ def test_gpt_1b_values_and_size():
     assert (m.layers, m.d_model, m.heads, m.activation, m.tie_embeddings) == (
         24, 2048, 16, "swiglu", False)
     assert (m.remat, m.compute_dtype, c.data.seq_len, c.train.batch_size) == (
-        "full", "bfloat16", 2048, 256)
+        "auto", "bfloat16", 2048, 256)
     assert c.optimizer.lr == 3e-4 and c.mesh.is_auto
     # ~1.4B: attention 4·d², SwiGLU 3·d·mlp per layer, untied input + output embeddings.
     d, f = m.d_model, m.resolved_mlp_dim

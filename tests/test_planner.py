@@ -17,7 +17,7 @@ from jaxmp.devices import DeviceProfile, match_kind, profile_for, profile_from_c
 from jaxmp.errors import PlanError, UnknownDeviceError
 from jaxmp.plan import InfeasibleError, balance_stages, plan, plan_for_config, stage_sums
 from jaxmp.plan.render import render
-from jaxmp.plan.search import PIPELINE_NOTE, factorisations
+from jaxmp.plan.search import factorisations
 from jaxmp.recipes.gpt import gpt_costs, gpt_plan, gpt_trainer
 from jaxmp.tools.verify import verify_prediction
 from jaxmp.train.planning import CostSource, plan_model
@@ -138,16 +138,17 @@ def test_plan_json_shape(small_plan):
     assert [layer["name"] for layer in out["layers"]][:2] == ["pre", "blocks/0"]
 
 
-def test_pipeline_candidates_are_predicted_not_run(small_plan):
+def test_pipeline_candidates_are_runnable(small_plan):
     cost = gpt_costs(_config())
-    full = plan(cost, 8, CPU, top=1000)
+    full = plan(cost, 8, CPU, top=1000, configured_remat="none")
     piped = [a for a in full.alternatives if a["mesh"]["stage"] > 1]
     assert piped, "stage > 1 factorisations are enumerated"
     for alt in piped:
-        assert not alt["runnable"] and PIPELINE_NOTE in alt["reason"]
-        assert len(alt["stages"]) == alt["mesh"]["stage"]
+        assert alt["runnable"] == (alt["remat"] == "none"), alt["reason"]
+        assert len(alt["stages"]) == alt["mesh"]["stage"] * alt["virtual_stages"]
         assert alt["predicted"]["bubble_s"] > 0
-        assert alt["microbatches"] % alt["mesh"]["stage"] == 0
+        assert alt["schedule"] in ("1f1b", "interleaved")
+        assert alt["microbatches"] >= alt["mesh"]["stage"]
 
 
 def test_explicit_axes_are_constraints():
@@ -175,13 +176,13 @@ def test_axes_spanning_hosts_use_the_slow_link():
     from jaxmp.plan.predict import Context
 
     cost = gpt_costs(_config())
-    slow = DeviceProfile("x", 1e12, 1e12, 1e11, 1e6, devices_per_host=2)
+    slow = DeviceProfile("x", 1e12, 1e12, 1e11, 1e6, devices_per_host=2, overlap=False)
     ctx = Context(cost, slow, 8)
     bw = ctx.link_bw({"data": 4, "stage": 1, "fsdp": 1, "tensor": 2})
     assert bw["tensor"] == 1e11 and bw["data"] == 1e6  # tensor inside a host, data across
     bw = ctx.link_bw({"data": 1, "stage": 1, "fsdp": 4, "tensor": 2})
     assert bw["fsdp"] == 1e6
-    fast = DeviceProfile("y", 1e12, 1e12, 1e11, 1e11, devices_per_host=2)
+    fast = DeviceProfile("y", 1e12, 1e12, 1e11, 1e11, devices_per_host=2, overlap=False)
     data_slow = plan(cost, 8, slow, fixed={"data": 8}).predicted
     data_fast = plan(cost, 8, fast, fixed={"data": 8}).predicted
     assert data_slow.comm_bytes_per_step == data_fast.comm_bytes_per_step

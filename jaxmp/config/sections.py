@@ -150,13 +150,15 @@ class DeviceConfig(Section):
     """Device profile for MFU and the planner; 0 keeps the detected profile's value."""
 
     section: ClassVar[str] = "device"
-    kind: str = "auto"  # "auto" (detect), or a profile name: A100-40GB, A100-80GB, H100, H200, CPU
+    kind: str = "auto"  # "auto" (detect), or a profile name: A100-40GB, A100-80GB, H100,
+    # H100-96GB, H200, CPU
     peak_flops: float = bounded(0.0, ge=0)  # FLOP/s per device (dense bf16)
     memory_bytes: float = bounded(0.0, ge=0)
     intra_host_bw: float = bounded(0.0, ge=0)  # bytes/s per device inside a host
     inter_host_bw: float = bounded(0.0, ge=0)  # bytes/s per device across hosts
     devices_per_host: int = bounded(0, ge=0)
     usable_fraction: float = bounded(0.0, ge=0, le=1)  # of memory_bytes the planner may fill
+    efficiency: float = bounded(0.0, ge=0, le=1)  # achievable fraction of peak_flops
 
 
 @dataclass(frozen=True)
@@ -165,13 +167,16 @@ class PipelineConfig(Section):
 
     section: ClassVar[str] = "pipeline"
     microbatches: int | Literal["auto"] = "auto"  # "auto": the plan's, else 2 x stages
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
-    virtual_stages: int = bounded(1, ge=1)  # chunks per device (interleaved: >= 2)
+    # "auto": the plan's, else 1f1b (and 2 virtual stages for interleaved)
+    schedule: Literal["auto", "gpipe", "1f1b", "interleaved"] = "auto"
+    virtual_stages: int | Literal["auto"] = "auto"  # chunks per device (interleaved: >= 2)
     balance: Literal["flops", "layers"] = "flops"  # stage boundaries by per-layer FLOPs or count
 
     def _validate(self) -> None:
         require(self.microbatches == "auto" or self.microbatches >= 1, "pipeline.microbatches",
                 "must be >= 1 or 'auto'", self.microbatches)
+        require(self.virtual_stages == "auto" or self.virtual_stages >= 1,
+                "pipeline.virtual_stages", "must be >= 1 or 'auto'", self.virtual_stages)
 
 
 @dataclass(frozen=True)

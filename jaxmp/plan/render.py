@@ -1,9 +1,12 @@
-"""The text report of a plan (``jaxmp plan`` without ``--json``)."""
+"""The text report of a plan (``jaxmp plan`` without ``--json``), and ``--compare``'s table."""
 
 from __future__ import annotations
 
 from jaxmp._util.fmt import fmt_bytes, fmt_flops, fmt_time, mesh_str, table
+from jaxmp.mesh import AXES
+from jaxmp.plan.context import Prediction
 from jaxmp.plan.plan import Plan
+from jaxmp.plan.search import Candidate, describe
 
 
 def _layer_rows(layers: list[dict]) -> list[list[str]]:
@@ -21,9 +24,50 @@ def _layer_rows(layers: list[dict]) -> list[list[str]]:
         name = lay["name"] if len(run) == 1 else \
             f"{lay['name']}..{run[-1]['name'].rsplit('/', 1)[-1]} x{len(run)}"
         rows.append([name, fmt_flops(lay["fwd_flops"]), fmt_flops(lay["bwd_flops"]),
-                     f"{lay['param_count']:,.0f}", fmt_bytes(lay["saved_bytes"].get("none", 0.0)),
+                     f"{lay['param_count'] / 1e6:,.1f} M",
+                     fmt_bytes(lay["saved_bytes"].get("none", 0.0)),
                      fmt_bytes(lay["boundary_bytes"])])
     return rows
+
+
+def state_per_param(layers: list[dict]) -> str:
+    """Bytes of training state per parameter: stored params, optimizer state, gradients and
+    the update (``"20 B: params 4 + optimizer 8 + gradients 4 + update 4"``)."""
+    count = sum(lay["param_count"] for lay in layers)
+    if not count:
+        return "no parameters"
+    params = sum(lay["param_bytes"] for lay in layers) / count
+    opt = sum(lay["optimizer_bytes"] for lay in layers) / count
+    return (f"{2 * params + opt + params:.3g} B per parameter: params {params:.3g} + optimizer "
+            f"{opt:.3g} + gradients {params:.3g} + update {params:.3g}")
+
+
+def _parts(parts: dict[str, float]) -> str:
+    return " + ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v)
+
+
+def _summary(p: Prediction, limit: float) -> list[str]:
+    comm = ", ".join(f"{a} {fmt_time(p.comm_s[a])}"
+                     + (f" ({fmt_time(p.comm_hidden_s[a])} hidden)"
+                        if p.comm_hidden_s.get(a) else "")
+                     for a in AXES if p.comm_s[a] or p.comm_hidden_s.get(a))
+    return [f"  per device {fmt_bytes(p.per_device_bytes)} of {fmt_bytes(limit)}: params "
+            f"{fmt_bytes(p.param_bytes)}, optimizer {fmt_bytes(p.optimizer_bytes)}, grads+update "
+            f"{fmt_bytes(p.grad_bytes)}, activations {fmt_bytes(p.activation_bytes)}, working "
+            f"{fmt_bytes(p.working_bytes)}, batch {fmt_bytes(p.batch_bytes)}",
+            f"    activations: {_parts(p.activation_parts)}",
+            f"    working (one layer's backward, the largest): {_parts(p.working_parts)}",
+            f"  step {fmt_time(p.step_time_s)}: compute {fmt_time(p.compute_s)}, bubble "
+            f"{fmt_time(p.bubble_s)}" + (f"; communication shown: {comm}" if comm else ""),
+            f"  {fmt_flops(p.flops_per_step)} per step ({fmt_flops(p.flops_per_device)} per "
+            f"device), {fmt_bytes(p.comm_bytes_per_step)} sent per device per step"]
+
+
+def _stages(p: Prediction) -> str:
+    if not p.blocks_per_chunk:
+        return f"  layers {p.stages[0][0]}..{p.stages[0][1] - 1} on every device"
+    return (f"  {len(p.stages)} chunks {p.stages} (chunk c on stage c % stages), blocks per "
+            f"chunk {p.blocks_per_chunk}")
 
 
 def render(plan: Plan, batch: str = "") -> str:
@@ -32,31 +76,24 @@ def render(plan: Plan, batch: str = "") -> str:
     ``batch`` describes the global batch for the header (e.g. ``"16 x 128 tokens"``).
     """
     p, dev = plan.predicted, plan.device
-    lines = [f"jaxmp plan: {plan.n_devices} x {dev.kind} (peak {dev.peak_flops:.3g} FLOP/s, "
-             f"{fmt_bytes(plan.memory_limit)} usable per device)"
-             + (f"; global batch {batch}" if batch else ""), "",
+    lines = [f"jaxmp plan: {plan.n_devices} x {dev.kind} (peak {fmt_flops(dev.peak_flops)}/s, "
+             f"{dev.efficiency:.0%} of it achievable; {fmt_bytes(plan.memory_limit)} usable per "
+             f"device)" + (f"; global batch {batch}" if batch else ""), "",
              "per-layer costs (whole global batch, remat none; a stack's blocks: per block):"]
     lines += table(["layer", "forward", "backward", "params", "saved", "output"],
                    _layer_rows(plan.layers), right={1, 2, 3, 4, 5})
-    status = "runnable" if plan.runnable else "not runnable"
+    lines += ["", f"training state: {state_per_param(plan.layers)}"]
+    status = "runnable" if plan.runnable else "not runnable: " + "; ".join(plan.blockers)
     fits = "fits" if plan.fits else "DOES NOT FIT"
-    comm = ", ".join(f"{a} {fmt_time(s)}" for a, s in p.comm_s.items() if s)
-    lines += ["", f"chosen: {mesh_str(plan.mesh)}  (remat {plan.remat}, {plan.microbatches} "
-                  f"microbatch{'es' if plan.microbatches > 1 else ''}; {status}; {fits})",
-              f"  stages {plan.stages}",
-              f"  per device {fmt_bytes(p.per_device_bytes)}: params {fmt_bytes(p.param_bytes)}, "
-              f"optimizer {fmt_bytes(p.optimizer_bytes)}, grads+update {fmt_bytes(p.grad_bytes)}, "
-              f"activations {fmt_bytes(p.activation_bytes)}, working {fmt_bytes(p.working_bytes)}",
-              f"  step {fmt_time(p.step_time_s)}: compute {fmt_time(p.compute_s)}, bubble "
-              f"{fmt_time(p.bubble_s)}" + (f", {comm}" if comm else ""),
-              f"  {fmt_flops(p.flops_per_step)} per step, {fmt_bytes(p.comm_bytes_per_step)} sent "
-              f"per device per step"]
+    settings = describe_plan(plan)
+    lines += ["", f"chosen: {mesh_str(plan.mesh)}  ({settings}; {status}; {fits})",
+              _stages(p)] + _summary(p, plan.memory_limit)
     if plan.alternatives:
         lines += ["", "alternatives:"]
         for i, alt in enumerate(plan.alternatives, 1):
             pred = alt["predicted"]
-            lines.append(f"  {i}. {mesh_str(alt['mesh'])} (remat {alt['remat']}, "
-                         f"{alt['microbatches']} mb): {fmt_time(pred['step_time_s'])}, "
+            lines.append(f"  {i}. {mesh_str(alt['mesh'])} ({alt['settings']}): "
+                         f"{fmt_time(pred['step_time_s'])}, "
                          f"{fmt_bytes(pred['per_device_bytes'])} - {alt['reason']}")
     if plan.dropped:
         lines.append("  dropped: " + "; ".join(f"{k} ({v})" for k, v in plan.dropped.items()))
@@ -70,4 +107,54 @@ def render(plan: Plan, batch: str = "") -> str:
                         for key in ("argument_bytes", "peak_bytes", "comm_bytes_per_step")],
                        right={1, 2, 3})
     lines.append(f"\nplanned in {plan.planning_time_s:.3f} s (cost model {plan.cost_time_s:.2f} s)")
+    return "\n".join(lines)
+
+
+def describe_plan(plan: Plan) -> str:
+    """The chosen plan's settings besides its mesh (``"remat full, 1f1b, 8 mb"``)."""
+    c = next((c for c in plan.candidates if c.mesh == plan.mesh and c.prediction is
+              plan.predicted), None)
+    return describe(c.layout) if c is not None else f"remat {plan.remat}, {plan.microbatches} mb"
+
+
+def _rows(chosen: Prediction, given: Prediction) -> list[tuple[str, float, float, str]]:
+    rows = [("per device", chosen.per_device_bytes, given.per_device_bytes, "b"),
+            ("  params", chosen.param_bytes, given.param_bytes, "b"),
+            ("  optimizer", chosen.optimizer_bytes, given.optimizer_bytes, "b"),
+            ("  grads+update", chosen.grad_bytes, given.grad_bytes, "b"),
+            ("  activations", chosen.activation_bytes, given.activation_bytes, "b"),
+            ("  working", chosen.working_bytes, given.working_bytes, "b"),
+            ("  batch", chosen.batch_bytes, given.batch_bytes, "b"),
+            ("step time", chosen.step_time_s, given.step_time_s, "t"),
+            ("  compute", chosen.compute_s, given.compute_s, "t"),
+            ("  bubble", chosen.bubble_s, given.bubble_s, "t")]
+    for axis in AXES:
+        rows.append((f"  {axis} (shown)", chosen.comm_s[axis], given.comm_s[axis], "t"))
+        if chosen.comm_hidden_s.get(axis) or given.comm_hidden_s.get(axis):
+            rows.append((f"  {axis} (hidden)", chosen.comm_hidden_s.get(axis, 0.0),
+                         given.comm_hidden_s.get(axis, 0.0), "t"))
+    rows += [("sent per device", chosen.comm_bytes_per_step, given.comm_bytes_per_step, "b"),
+             ("FLOPs per step", chosen.flops_per_step, given.flops_per_step, "f")]
+    return rows
+
+
+def render_compare(plan: Plan, given: Candidate) -> str:
+    """The chosen plan beside ``given`` (from :meth:`Plan.compare`), term by term."""
+    fmt = {"b": fmt_bytes, "t": fmt_time, "f": fmt_flops}
+    c = given.prediction
+    head = [f"{mesh_str(plan.mesh)}", f"{mesh_str(given.mesh)}"]
+    settings = [describe_plan(plan), describe(given.layout)]
+    fits = ["fits" if plan.fits else "DOES NOT FIT", "fits" if given.fits else "DOES NOT FIT"]
+    status = ["runnable" if plan.runnable else "not runnable",
+              "runnable" if given.runnable else "not runnable: " + "; ".join(given.blockers)]
+    rows = [["settings", *settings, ""], ["", *fits, ""], ["", *status, ""]]
+    for name, a, b, kind in _rows(plan.predicted, c):
+        diff = b - a
+        rows.append([name, fmt[kind](a), fmt[kind](b),
+                     ("+" if diff > 0 else "") + fmt[kind](diff) if diff else "="])
+    ratio = c.step_time_s / plan.predicted.step_time_s if plan.predicted.step_time_s else 0.0
+    lines = [f"compare (per device, per step; the given layout with its best settings):"]
+    lines += table(["", "chosen: " + head[0], "given: " + head[1], "given - chosen"], rows,
+                   right={1, 2, 3})
+    lines.append(f"  the given layout takes {ratio:.2f}x the chosen plan's step time")
     return "\n".join(lines)

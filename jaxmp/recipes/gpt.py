@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from jaxmp.plan import Plan, plan_for_config
 from jaxmp.recipes.gpt_config import Config, ModelConfig
 from jaxmp.train import Trainer
 from jaxmp.train.pipeline import PipelineSpec
+from jaxmp.train.planning import CostSource, plan_model
 
 
 def prepared_folder(config: Config) -> Path | None:
@@ -101,10 +103,13 @@ _COST_CACHE: dict[tuple, ModelCost] = {}
 def gpt_costs(config: Config, remats: Sequence[str] | None = None) -> ModelCost:
     """Per-layer costs of the configured GPT on the configured global batch (cached).
 
-    ``remats``: the policies to cost (default: all). ``runs_as`` is the configured policy.
+    ``remats``: the policies to cost (default, or ``"auto"``: all). ``runs_as`` is the
+    configured policy (``"auto"``: the planner picks).
     """
     gcfg = gpt_config(config)
-    remats = tuple(remats or REMAT_POLICIES)
+    if gcfg.remat == "auto":  # each layer is costed under every policy; trace it without one
+        gcfg = dataclasses.replace(gcfg, remat="none")
+    remats = tuple(r for r in (remats or ()) if r != "auto") or tuple(REMAT_POLICIES)
     if "none" not in remats:
         remats = ("none",) + remats  # the working set of a rematted layer needs its full size
     key = (gcfg, config.train.batch_size, config.data.seq_len)
@@ -125,8 +130,13 @@ def gpt_costs(config: Config, remats: Sequence[str] | None = None) -> ModelCost:
 
 def gpt_plan(config: Config, n_devices: int, device_kind: str | None = None) -> Plan:
     """``jaxmp plan``: rank every layout and remat policy for the configured GPT."""
-    return plan_for_config(config, gpt_costs(config), n_devices, device_kind=device_kind,
+    start = time.perf_counter()
+    cost = gpt_costs(config)
+    seconds = time.perf_counter() - start
+    plan = plan_for_config(config, cost, n_devices, device_kind=device_kind,
                            remats=tuple(REMAT_POLICIES), strict=True, measure_cpu=True)
+    plan.cost_time_s = seconds
+    return plan
 
 
 def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,
@@ -135,10 +145,16 @@ def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,
     """A Trainer for the configured GPT on the configured token source.
 
     ``with_data=False`` builds one that can compile its step (``jaxmp plan --verify``,
-    ``jaxmp bench``) without opening the token source. Training on a prepared folder copies its
+    ``jaxmp bench``) without opening the token source. ``model.remat = "auto"`` plans first
+    (as the Trainer would, with every remat policy) and builds the model with the plan's. Training on a prepared folder copies its
     tokenizer into ``run_dir``, so the run samples on its own (``jaxmp sample``).
     """
     config = resolve_data(config)
+    if config.model.remat == "auto":  # the plan picks the policy the model is built with
+        n = len(devices) if devices is not None else jax.device_count()
+        plan = plan or plan_model(config, n, CostSource(None, None, lambda: gpt_costs(config)),
+                                  pipeline=True)
+        config = replace(config, model={"remat": plan.remat})
     eval_data = None
     if with_data and config.train.eval_every > 0 and config.data.source != "synthetic":
         eval_data = lambda: lm_batches(config, split="eval")  # noqa: E731 - fresh, same batches

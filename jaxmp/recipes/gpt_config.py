@@ -34,7 +34,7 @@ class ModelConfig(Section):
     activation: Literal["gelu", "swiglu"] = "gelu"
     tie_embeddings: bool = True
     scan_layers: bool = True
-    remat: Literal["none", "save_dots", "full"] = "none"
+    remat: Literal["auto", "none", "save_dots", "full"] = "none"  # "auto": the plan's
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     norm_eps: float = bounded(1e-5, gt=0)

@@ -86,8 +86,8 @@ class Trainer:
                                               else rules)
         devices = list(devices if devices is not None else jax.devices())
         costs = CostSource(model_fn, loss_fn, cost, example_batch, path_rules)
-        self.plan = plan if plan is not None else plan_model(config, len(devices), costs,
-                                                             self.rules)
+        self.plan = plan if plan is not None else plan_model(
+            config, len(devices), costs, self.rules, pipeline=pipeline is not None)
         self.mesh = mesh_for(config, devices, self.plan)
         checks.check_batch(self.mesh, self.rules, config.train.batch_size,
                            config.train.grad_accum)  # refuse a batch the mesh cannot split

@@ -28,13 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import sharding
 from jaxmp.loss import split_loss
 from jaxmp.parallel.schedule import Schedule
 from jaxmp.parallel.stages import StageSplit
-from jaxmp.remat import checkpointed
+from jaxmp.remat import REMAT_POLICIES, checkpointed
 from jaxmp.sharding.tree import ROWS_KEY
 
 STAGE = "stage"
@@ -100,6 +101,19 @@ def _stash_policy(prim: Any, *_: Any, **__: Any) -> bool:
     return prim.name not in _CHEAP
 
 
+BLOCK_INPUT = "jaxmp_pipeline_block_input"
+
+
+def stash_policy(remat: str) -> Callable:
+    """What a chunk's forward keeps for its backward. Without remat: everything expensive. With
+    a remat policy, that policy plus each block's input: an outer policy decides for the
+    nested blocks too, so saving everything expensive here would undo the blocks' remat."""
+    if remat == "none":
+        return _stash_policy
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.save_only_these_names(BLOCK_INPUT), REMAT_POLICIES[remat])
+
+
 def make_pipeline_grad_fn(graphdef: Any, block_graphdef: Any, mesh: jax.sharding.Mesh,
                           spec: PipelineSpec, schedule: Schedule, split: StageSplit,
                           rules: Sequence) -> Callable:
@@ -124,6 +138,7 @@ def make_pipeline_grad_fn(graphdef: Any, block_graphdef: Any, mesh: jax.sharding
         def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, None]:
             i, layer = xs
             call = checkpointed(lambda h, layer: nnx.merge(block_graphdef, layer)(h), spec.remat)
+            h = checkpoint_name(h, BLOCK_INPUT)
             return jax.lax.cond(i < n, call, lambda h, _: h, h, layer), None
 
         return jax.lax.scan(body, x, (jnp.arange(lmax), chunk))[0]
@@ -149,6 +164,7 @@ def make_pipeline_grad_fn(graphdef: Any, block_graphdef: Any, mesh: jax.sharding
         return fn
 
     fwd = chunk_fn(with_post=not schedule.folds_last)
+    policy = stash_policy(spec.remat)
     full = chunk_fn(with_post=True)
 
     def body(stack, shared, rest, batch):
@@ -161,7 +177,7 @@ def make_pipeline_grad_fn(graphdef: Any, block_graphdef: Any, mesh: jax.sharding
 
         def residuals(shared, chunk, x, mb, c, n):
             """Forward of one chunk: its outputs and the residuals worth keeping."""
-            f = jax.checkpoint(lambda s, ch, x: fwd(s, ch, x, mb, rest, c, n), policy=_stash_policy)
+            f = jax.checkpoint(lambda s, ch, x: fwd(s, ch, x, mb, rest, c, n), policy=policy)
             out, vjp = jax.vjp(f, shared, chunk, x)
             leaves, treedef = jax.tree.flatten(vjp)
             live = {id(a): i for i, a in enumerate(jax.tree.leaves((shared, chunk)))}

@@ -47,14 +47,17 @@ class CostSource:
 
 
 def plan_model(config: TrainerConfig, n_devices: int, costs: CostSource,
-               rules: Sequence | None = None) -> Plan | None:
-    """The plan for an all-``auto`` mesh, or None (explicit mesh, or nothing to cost from).
+               rules: Sequence | None = None, pipeline: bool = True) -> Plan | None:
+    """The plan for an all-``auto`` mesh or an ``auto`` remat policy, or None (nothing to
+    choose, or nothing to cost from).
 
     The model is costed with the Trainer's ``path_rules`` and planned with its ``rules``, so the
-    plan's partition specs are the ones the step will use."""
-    if not config.mesh.is_auto or costs.get() is None:
+    plan's partition specs are the ones the step will use; ``pipeline``: whether the model can
+    be split into stages (the Trainer has a PipelineSpec)."""
+    cost = costs.get()
+    if cost is None or not (config.mesh.is_auto or cost.runs_as == "auto"):
         return None
-    plan = plan_for_config(config, costs.get(), n_devices, rules=rules)
+    plan = plan_for_config(config, cost, n_devices, rules=rules, pipeline=pipeline)
     plan.cost_time_s = costs.seconds
     return plan
 
@@ -108,9 +111,13 @@ def plan_stages(config: TrainerConfig, mesh: jax.sharding.Mesh, stack: str | Non
     if config.train.grad_accum != 1:
         raise ConfigError(f"train.grad_accum={config.train.grad_accum}: with pipeline stages the "
                           f"microbatches accumulate; set pipeline.microbatches instead")
+    planned = plan is not None and plan.mesh.get("stage", 1) == p and bool(plan.schedule)
+    kind = pc.schedule if pc.schedule != "auto" else plan.schedule if planned else "1f1b"
+    v = pc.virtual_stages if pc.virtual_stages != "auto" else \
+        plan.virtual if planned and kind == plan.schedule else 2 if kind == "interleaved" else 1
     m = pc.microbatches if pc.microbatches != "auto" else \
-        plan.microbatches if plan is not None and plan.mesh.get("stage", 1) == p else 2 * p
-    schedule = Schedule(pc.schedule, p, m, pc.virtual_stages)
+        plan.microbatches if planned else 2 * p
+    schedule = Schedule(kind, p, m, v)
     shards = int(mesh.shape["data"] * mesh.shape["fsdp"])
     rows = config.train.batch_size
     if rows % (m * shards):
@@ -124,4 +131,4 @@ def plan_stages(config: TrainerConfig, mesh: jax.sharding.Mesh, stack: str | Non
         table = stage_costs(cost, stack)
     else:
         table = [1.0] * (n_blocks + 2)
-    return Stages(schedule, split_layers(table, p, pc.virtual_stages, pc.balance))
+    return Stages(schedule, split_layers(table, p, v, pc.balance))

@@ -2,7 +2,7 @@
 
 The Trainer asks here, from its config and mesh, (1) whether the data-axis gradient reduction
 is taken out of XLA's hands — needed to compress it (``train.grad_compression``) and to reduce
-once per step under gradient accumulation — and with what state (:mod:`jaxmp.parallel.reduce`),
+once per step under gradient accumulation and pipeline stages — and with what state (:mod:`jaxmp.parallel.reduce`),
 and (2) in which dtype fsdp gathers weights (``train.gather_dtype``,
 :mod:`jaxmp.parallel.gather`). With neither, the step is exactly XLA's plain program.
 """
@@ -28,10 +28,15 @@ def compression_of(config: TrainerConfig) -> Compression:
     return Compression.from_config(config.train)
 
 
+def pipelined(mesh: Mesh) -> bool:
+    return int(dict(mesh.shape).get("stage", 1)) > 1
+
+
 def uses_reducer(config: TrainerConfig, mesh: Mesh) -> bool:
-    """A reducer is needed to compress, or to accumulate microbatches before reducing."""
+    """A reducer is needed to compress, or to accumulate microbatches (or a pipeline's
+    chunks) before reducing: once per step instead of once per microbatch."""
     return data_size(mesh) > 1 and (config.train.grad_compression != "none"
-                                    or config.train.grad_accum > 1)
+                                    or config.train.grad_accum > 1 or pipelined(mesh))
 
 
 def extensions(config: TrainerConfig, mesh: Mesh, path_rules: Sequence | None) -> dict[str, Any]:
@@ -61,7 +66,7 @@ def reducer(config: TrainerConfig, mesh: Mesh, layout: Any, path_rules: Sequence
     comp = compression_of(config)
     if warmup:
         comp = comp.uncompressed()
-    if comp.kind == "none" and config.train.grad_accum == 1:
+    if comp.kind == "none" and config.train.grad_accum == 1 and not pipelined(mesh):
         return None
     return Reducer(comp, mesh, layout.abstract.params, layout.shardings.params, path_rules)
 

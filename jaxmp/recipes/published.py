@@ -1,0 +1,128 @@
+"""Published training runs as GPT configs: what the planner is checked against at scale.
+
+Each :class:`PublishedRun` is a model, a global batch, a device count and kind, the layout the
+run used and its published step time. :func:`evaluate` costs the model (traced with a scanned
+stack: seconds, even for 1T parameters), plans it on those devices, and predicts the published
+layout with the planner's own machinery (:meth:`jaxmp.plan.Plan.compare`). docs/planner.md's
+table "published run -> jaxmp's prediction" is ``python scripts/planner_published.py``; the
+test suite asserts the goals (tests/test_published.py).
+
+The runs were PyTorch programs, whose caching allocator can fill nearly all of a GPU
+(torchtitan's 8B row reports 82.4 of 95.6 GiB), so they are judged against 95 % of device
+memory rather than JAX's default 75 % preallocation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxmp.plan import Plan, plan_for_config
+from jaxmp.plan.search import Candidate
+from jaxmp.recipes.gpt import gpt_costs
+from jaxmp.recipes.gpt_config import Config, load_config
+
+_GPT = ("data.source=synthetic", "model.compute_dtype=bfloat16", "model.param_dtype=float32",
+        "model.remat=auto")
+
+
+def _megatron(layers: int, d_model: int, heads: int, batch: int) -> tuple[str, ...]:
+    """Megatron-LM's GPT (Narayanan et al., SC'21, Table 1): vocab 51200, sequence 2048."""
+    return _GPT + (f"model.layers={layers}", f"model.d_model={d_model}", f"model.heads={heads}",
+                   "model.vocab_size=51200", "data.seq_len=2048", f"train.batch_size={batch}")
+
+
+def megatron_step_s(layers: int, d: int, batch: int, tflops: float, gpus: int,
+                    seq: int = 2048, vocab: int = 51200) -> float:
+    """Step time from Megatron's reported TFLOP/s per GPU and its FLOP count (recompute
+    included): 96·B·s·l·h²·(1 + s/6h + V/16lh)."""
+    flops = 96 * batch * seq * layers * d * d * (1 + seq / (6 * d) + vocab / (16 * layers * d))
+    return flops / (gpus * tflops * 1e12)
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    source: str
+    sets: tuple[str, ...]  # config overrides: the model and the global batch
+    device: str  # profile
+    devices: int
+    layout: Mapping[str, Any]  # mesh axes, and schedule / virtual / microbatches / remat
+    step_time_s: float  # published (derived from throughput where that is what was published)
+    published: str  # what the source reports
+    usable_fraction: float = 0.95
+    xfail_time: str = ""  # why the step time goal is known to miss (empty: it holds)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun(
+        "Megatron-LM GPT 1T", "Narayanan et al., SC'21, Table 1 (interleaved schedule, "
+        "microbatch 1)", _megatron(128, 25600, 160, 3072), "A100-80GB", 3072,
+        {"data": 6, "stage": 64, "tensor": 8, "schedule": "interleaved", "virtual": 2,
+         "microbatches": 512, "remat": "full"},
+        megatron_step_s(128, 25600, 3072, 163, 3072), "163 TFLOP/s per GPU (52 % of peak)",
+        xfail_time="jaxmp's pipeline all-reduces each backward's gradients over data inside its "
+                   "tick loop (V x M = 1024 times per step), Megatron once"),
+    PublishedRun(
+        "Megatron-LM GPT 1.7B", "Narayanan et al., SC'21, Table 1", _megatron(24, 2304, 24, 512),
+        "A100-80GB", 32, {"data": 32, "remat": "full"},
+        megatron_step_s(24, 2304, 512, 137, 32), "137 TFLOP/s per GPU (44 % of peak)",
+        xfail_time="predicted 31 % fast: the A100 efficiency (0.60) is the large models'; "
+                   "a 2304-wide model's matmuls and its memory-bound attention softmax "
+                   "(s/h = 0.9) reach less, and Megatron did not overlap its data all-reduce"),
+    PublishedRun(
+        "Megatron-LM GPT 18.4B", "Narayanan et al., SC'21, Table 1",
+        _megatron(40, 6144, 48, 1024), "A100-80GB", 256, {"data": 32, "tensor": 8,
+                                                           "remat": "full"},
+        megatron_step_s(40, 6144, 1024, 135, 256), "135 TFLOP/s per GPU (43 % of peak)"),
+    PublishedRun(
+        "torchtitan Llama 3.1 8B", "torchtitan docs/performance.md, Table 1 (FSDP, local batch "
+        "2, selective AC, bf16)", _GPT + (
+            "model.layers=32", "model.d_model=4096", "model.heads=32", "model.kv_heads=8",
+            "model.mlp_dim=14336", "model.activation=swiglu", "model.tie_embeddings=false",
+            "model.vocab_size=128256", "data.seq_len=8192", "train.batch_size=16"),
+        "H100-96GB", 8, {"fsdp": 8}, 2 * 8192 / 5762, "5,762 tokens/s per GPU (33-39 % MFU)",
+        notes=("torchtitan runs flash attention; jaxmp's GPT materialises the 8192^2 scores, "
+               "which the memory prediction includes",)),
+)
+
+# The issue's GPT-3 175B check: a plan on 1024 H100s that fits within JAX's default memory.
+GPT3_175B = _GPT + ("model.layers=96", "model.d_model=12288", "model.heads=96",
+                    "model.vocab_size=50304", "data.seq_len=2048", "train.batch_size=1536")
+
+
+def run_config(run: PublishedRun) -> Config:
+    return load_config(None, [*run.sets, f"device.usable_fraction={run.usable_fraction}"])
+
+
+@dataclass
+class Evaluation:
+    run: PublishedRun
+    plan: Plan  # what jaxmp chooses on those devices
+    given: Candidate  # the published layout, as jaxmp predicts it
+
+    @property
+    def error(self) -> float:
+        return self.given.prediction.step_time_s / self.run.step_time_s - 1
+
+    @property
+    def data_once_s(self) -> float:
+        """The published layout's step time were its gradients all-reduced over data once per
+        step (as Megatron does) instead of at every microbatch (as jaxmp's step compiles)."""
+        p = self.given.prediction
+        d = self.given.mesh["data"]
+        if d == 1 or not p.comm_bytes["data"] or self.given.mesh["stage"] == 1:
+            return p.step_time_s
+        bw = p.comm_bytes["data"] / (p.comm_s["data"] + p.comm_hidden_s.get("data", 0.0))
+        once = 2 * (d - 1) / d * p.param_bytes / bw
+        return p.step_time_s - p.comm_s["data"] + once
+
+
+def evaluate(run: PublishedRun) -> Evaluation:
+    """Plan ``run``'s model on its devices and predict its published layout."""
+    config = run_config(run)
+    plan = plan_for_config(config, gpt_costs(config), run.devices, device_kind=run.device,
+                           strict=True)
+    return Evaluation(run, plan, plan.compare(run.layout))

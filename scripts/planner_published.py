@@ -1,0 +1,56 @@
+"""Regenerate docs/planner.md's table "published run -> jaxmp's prediction".
+
+    python scripts/planner_published.py
+
+For each published run (jaxmp/recipes/published.py): the layout it used as jaxmp predicts it
+(per-device memory, step time and its error against the published one), and the layout jaxmp
+chooses instead. Planning only: nothing is compiled. Also plans GPT-3 175B on 1024 H100s.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def main() -> int:
+    from jaxmp._util.fmt import fmt_bytes, fmt_time, mesh_str
+    from jaxmp.plan.render import describe_plan
+    from jaxmp.plan.search import describe
+    from jaxmp.recipes.gpt import gpt_costs, gpt_plan
+    from jaxmp.recipes.published import GPT3_175B, RUNS, evaluate
+    from jaxmp.recipes.gpt_config import load_config
+
+    print("| run | devices | published | published layout as jaxmp predicts it: memory per "
+          "device | step time (error) | jaxmp's choice | its step time |\n"
+          "|---|---|---|---|---|---|---|")
+    for run in RUNS:
+        start = time.perf_counter()
+        ev = evaluate(run)
+        g, p = ev.given, ev.plan
+        mem = (f"{fmt_bytes(g.prediction.per_device_bytes)} of "
+               f"{fmt_bytes(p.memory_limit)}: {'fits' if g.fits else 'DOES NOT FIT'}")
+        step = f"{fmt_time(g.prediction.step_time_s)} ({ev.error:+.0%})"
+        if abs(ev.data_once_s - g.prediction.step_time_s) > 1e-9:
+            once = ev.data_once_s / run.step_time_s - 1
+            step += f"; {fmt_time(ev.data_once_s)} ({once:+.0%}) with one data all-reduce"
+        print(f"| {run.name} | {run.devices} x {run.device} | {run.published}: "
+              f"{fmt_time(run.step_time_s)} per step | {mesh_str(g.mesh)}, {describe(g.layout)}"
+              f": {mem} | {step} | {mesh_str(p.mesh)}, {describe_plan(p)} "
+              f"({'fits' if p.fits else 'DOES NOT FIT'}) | "
+              f"{fmt_time(p.predicted.step_time_s)} |", flush=True)
+        print(f"{run.name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    config = load_config(None, list(GPT3_175B))
+    start = time.perf_counter()
+    gpt_costs(config)
+    p = gpt_plan(config, 1024, device_kind="H100")
+    print(f"\nGPT-3 175B, batch 1536 x 2048, 1024 x H100 (75 % of memory usable): "
+          f"{mesh_str(p.mesh)}, {describe_plan(p)}: {fmt_bytes(p.predicted.per_device_bytes)} "
+          f"per device ({'fits' if p.fits else 'DOES NOT FIT'}), step "
+          f"{fmt_time(p.predicted.step_time_s)}; planned in {p.planning_time_s:.1f} s "
+          f"({time.perf_counter() - start:.1f} s with the cost model)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,7 +10,7 @@ feedback, PowerSGD rank 4. Bytes per step come from each run's compiled step
 (``jaxmp.hlo.collective_stats``), and the step time a slow link would add is those bytes over
 the inter-host bandwidth of a device profile (A100: 25 GB/s). Writes the PNG and a JSON
 summary and prints the Markdown table of docs/compression.md. Needs matplotlib (``pip install
--e ".[plots]"``).
+-e ".[report]"``).
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def main() -> None:
     try:
         import matplotlib
     except ImportError:
-        sys.exit("compression_curves.py needs matplotlib: pip install -e '.[plots]'")
+        sys.exit("compression_curves.py needs matplotlib: pip install -e '.[report]'")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -31,9 +31,6 @@ def main() -> int:
         mem = (f"{fmt_bytes(g.prediction.per_device_bytes)} of "
                f"{fmt_bytes(p.memory_limit)}: {'fits' if g.fits else 'DOES NOT FIT'}")
         step = f"{fmt_time(g.prediction.step_time_s)} ({ev.error:+.0%})"
-        if abs(ev.data_once_s - g.prediction.step_time_s) > 1e-9:
-            once = ev.data_once_s / run.step_time_s - 1
-            step += f"; {fmt_time(ev.data_once_s)} ({once:+.0%}) with one data all-reduce"
         print(f"| {run.name} | {run.devices} x {run.device} | {run.published}: "
               f"{fmt_time(run.step_time_s)} per step | {mesh_str(g.mesh)}, {describe(g.layout)}"
               f": {mem} | {step} | {mesh_str(p.mesh)}, {describe_plan(p)} "

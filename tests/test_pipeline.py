@@ -16,6 +16,7 @@ from jaxmp import sharding
 from jaxmp.checkpoint.records import to_plain
 from jaxmp.config import OptimizerConfig
 from jaxmp.errors import ConfigError
+from jaxmp.hlo import collective_stats
 from jaxmp.models import next_token_loss
 from jaxmp.parallel.schedule import Schedule
 from jaxmp.parallel.stages import split_layers
@@ -211,3 +212,16 @@ def test_1f1b_and_interleaved_use_less_memory_than_gpipe(tmp_path):
         trainer = gpt_trainer(config, tmp_path, with_data=False, devices=jax.devices()[:4])
         temp[kind] = trainer.compile().memory_analysis().temp_size_in_bytes
     assert temp["1f1b"] < temp["gpipe"] and temp["interleaved"] < temp["gpipe"], temp
+
+
+def test_gradients_cross_the_data_axis_once_per_step():
+    """stage2 x data2: the data-axis reduction runs once, after the schedule — its bytes do not
+    grow with the microbatches (they would, M-fold, if every chunk's backward reduced)."""
+    def all_reduce_bytes(m: int) -> float:
+        config = jaxmp.load_config(None, BASE + ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=1",
+                                                 "mesh.tensor=1", f"pipeline.microbatches={m}"])
+        trainer = gpt_trainer(config, "unused", with_data=False, devices=jax.devices()[:4])
+        return collective_stats(trainer.compile()).bytes_by_kind["all-reduce"]
+
+    two, four = all_reduce_bytes(2), all_reduce_bytes(4)
+    assert two > 0 and four == pytest.approx(two, rel=0.01)

@@ -240,8 +240,7 @@ def measure_row(row: Row, trainer: Trainer, batch: dict, steps: int, warmup: int
         return
     spec = batch_spec(trainer.mesh, trainer.rules, next(iter(batch.values())).shape[0])
     on_mesh = to_global(batch, trainer.mesh, spec)
-    state = init_state(trainer.layout, trainer.model_fn, trainer.tx, trainer.config.train.seed,
-                       trainer.extensions)
+    state = init_state(trainer.layout, trainer.model_fn, trainer.tx, trainer.config.train.seed)
     row.step_times_s, row.loss = time_steps(m.compiled, state, on_mesh, steps, warmup)
     dt = row.step_time_s
     row.tokens_per_s = batch_tokens(batch) / dt

@@ -71,7 +71,8 @@ def _program(compiled) -> str:
 def test_none_compiles_to_the_same_program_as_before():
     compiled, trainer = _compiled("mesh.data=8")
     plain = make_train_step(trainer.layout, lm_loss, trainer.tx, trainer.lr_schedule,
-                            trainer.example_batch, 1, trainer.rules, 0)
+                            trainer.example_batch, 1, trainer.rules, 0,
+                            guard=trainer.guard)
     assert _program(compiled) == _program(plain.lower(trainer.layout.abstract,
                                                       trainer.example_batch).compile())
     assert STATE_KEY not in trainer.layout.abstract.extra
@@ -315,7 +316,7 @@ def test_compression_state_is_checkpointed_and_resume_is_bitwise(kind, tmp_path)
 def test_batch_that_does_not_split_over_replicas_is_bad_input(tmp_path):
     config = jaxmp.load_config(None, TINY_GPT + ["mesh.data=4", "train.batch_size=6",
                                                  "train.grad_compression=bf16"])
-    with pytest.raises(ConfigError, match=r"train.batch_size: must be divisible by mesh.data=4"):
+    with pytest.raises(ConfigError, match=r"train.batch_size: 6 does not divide over the 4 batch shards"):
         Trainer(config, lambda rngs: Bigram(256, 32, rngs), lm_loss, None, run_dir=tmp_path,
                 devices=jax.devices()[:4])
 

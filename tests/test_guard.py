@@ -55,7 +55,7 @@ def _setup(guard: NonFiniteGuard | None, loss=poisoned_loss):
     tx, sched = make_optimizer(OPT, 20), make_schedule(OPT, 20)
     ext = {guard_mod.KEY: NonFiniteGuard.extension} if guard else {}
     layout = plan_state(model_fn, tx, mesh, extensions=ext)
-    state = init_state(layout, model_fn, tx, seed=0, extensions=ext)
+    state = init_state(layout, model_fn, tx, seed=0)
     example = batch_with(FINE)
     step = make_train_step(layout, loss, tx, sched, example, guard=guard)
     shard = batch_sharding(layout, jaxmp.rules.DEFAULT_RULES, example)
@@ -122,7 +122,7 @@ def test_a_state_holding_inf_is_never_saved(tmp_path):
     tx = make_optimizer(OPT, 20)
     ext = {guard_mod.KEY: NonFiniteGuard.extension}
     layout = plan_state(model_fn, tx, mesh, extensions=ext)
-    state = init_state(layout, model_fn, tx, seed=0, extensions=ext)
+    state = init_state(layout, model_fn, tx, seed=0)
     config = jaxmp.load_config(None, TINY_GPT + ["checkpoint.async_save=false"])
     ckpt = TrainCheckpointer(tmp_path, config, layout)
     bad = state.replace(params=jax.tree.map(lambda x: x * jnp.inf, state.params))

@@ -42,9 +42,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BadInput, FileNotFoundError) as e:
         print(f"jaxmp: error: {e}", file=sys.stderr)
         return _leave(EXIT_BAD_INPUT)
-    except Failure as e:  # a failure jaxmp explains itself (e.g. a missing optional extra)
-        print(f"jaxmp: error: {e}", file=sys.stderr)
-        return _leave(EXIT_FAILURE)
     except KeyboardInterrupt:
         print("jaxmp: interrupted", file=sys.stderr)
         return _leave(130)

@@ -11,6 +11,7 @@ backend without it, right after SPMD partitioning). Read it with
 from __future__ import annotations
 
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +24,25 @@ _AFTER_SPMD = "after_spmd-partitioning"
 def partitioned_text(lowered: Any) -> str:
     """HLO text of ``lowered`` (a ``jax.stages.Lowered``) after partitioning, before the
     backend widens bf16 collectives (see the module docstring)."""
-    cached = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # a cache hit runs no passes
+    # A persistent-cache hit runs no passes (so dumps nothing), and JAX decides once per
+    # process whether the cache is used. The cache key leaves out the dump options but keeps
+    # the other debug options: a fresh value of one that changes no code (how many buffers a
+    # buffer-assignment debug print shows) makes this compile miss, and the raised minimum
+    # compile time keeps it out of the cache.
+    nonce = uuid.uuid4().int % 2**30 + 1
+    min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
     try:
         with tempfile.TemporaryDirectory(prefix="jaxmp-hlo-") as tmp:
             lowered.compile(compiler_options={
                 "xla_dump_to": tmp, "xla_dump_hlo_as_text": True,
                 "xla_dump_hlo_pass_re": "spmd-partitioning|all-reduce-promotion|"
-                                        "float-normalization"})
+                                        "float-normalization",
+                "xla_debug_buffer_assignment_show_max": nonce})
             files = sorted(Path(tmp).glob("*.txt"))
             texts = {f.name: f.read_text() for f in files}
     finally:
-        jax.config.update("jax_enable_compilation_cache", cached)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
     for tag in (_BEFORE, _AFTER_SPMD):
         found = [name for name in sorted(texts) if tag in name]
         if found:

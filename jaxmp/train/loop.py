@@ -91,7 +91,6 @@ class Trainer:
         self.mesh = mesh_for(config, devices, self.plan)
         checks.check_batch(self.mesh, self.rules, config.train.batch_size,
                            config.train.grad_accum)  # refuse a batch the mesh cannot split
-        wire.check(config, self.mesh)
         self.extensions = {**wire.extensions(config, self.mesh, path_rules), **self.extensions}
         self.gather = wire.gather(config, self.mesh, self.rules, compute_dtype)
         self.is_main = jax.process_index() == 0

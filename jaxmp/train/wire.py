@@ -15,7 +15,6 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jaxmp.config import TrainerConfig
-from jaxmp.errors import ConfigError
 from jaxmp.parallel.gather import WeightGather, weight_gather
 from jaxmp.parallel.reduce import STATE_KEY, Compression, Reducer, state_extension
 
@@ -45,17 +44,6 @@ def extensions(config: TrainerConfig, mesh: Mesh, path_rules: Sequence | None) -
     if not comp.stateful or data_size(mesh) == 1:
         return {}
     return {STATE_KEY: state_extension(comp, data_size(mesh), path_rules)}
-
-
-def check(config: TrainerConfig, mesh: Mesh) -> None:
-    """Bad input the per-replica step would otherwise trip over later."""
-    if not uses_reducer(config, mesh):
-        return
-    t, d = config.train, data_size(mesh)
-    if t.batch_size % (d * t.grad_accum):
-        raise ConfigError(f"train.batch_size: must be divisible by mesh.data={d} x "
-                          f"train.grad_accum={t.grad_accum} to reduce gradients per data "
-                          f"replica, got {t.batch_size}")
 
 
 def reducer(config: TrainerConfig, mesh: Mesh, layout: Any, path_rules: Sequence | None,

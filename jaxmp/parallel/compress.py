@@ -84,14 +84,35 @@ def _psum(x: jax.Array, axes: Sequence[str]) -> jax.Array:
 
 def orthonormal(p: jax.Array, row_axes: Sequence[str]) -> jax.Array:
     """An orthonormal basis of the columns of ``p [B, n, r]`` whose rows are split over
-    ``row_axes``: the small matrix is gathered, factored (Householder QR) and sliced back."""
+    ``row_axes``: the small matrix is gathered, orthonormalised and sliced back."""
     if not row_axes:
-        return jnp.linalg.qr(p)[0]
+        return gram_schmidt(p)
     axes = tuple(row_axes)
     full = jax.lax.all_gather(p, axes, axis=1, tiled=True)
-    q = jnp.linalg.qr(full)[0]
+    q = gram_schmidt(full)
     start = jax.lax.axis_index(axes) * p.shape[1]
     return jax.lax.dynamic_slice_in_dim(q, start, p.shape[1], axis=1)
+
+
+_DEPENDENT = 1e-3  # what is left of a column after projection, relative to it
+
+
+def gram_schmidt(p: jax.Array) -> jax.Array:
+    """Orthonormal columns of ``p [B, n, r]`` by modified Gram–Schmidt, as the PowerSGD paper
+    does: r is small, so r²/2 vector operations, and no LAPACK call (OpenBLAS's threaded QR
+    deadlocked when several simulated CPU devices called it at once, from rank 12 up). A
+    column that is (numerically) in the span of the ones before becomes zero: normalising what
+    rounding left of it would give a column that is not orthogonal to them."""
+    cols: list[jax.Array] = []
+    for j in range(p.shape[-1]):
+        v = p[..., j]
+        before = jnp.sqrt(jnp.sum(v * v, axis=-1, keepdims=True))
+        for q in cols:
+            v = v - jnp.sum(q * v, axis=-1, keepdims=True) * q
+        norm = jnp.sqrt(jnp.sum(v * v, axis=-1, keepdims=True))
+        independent = norm > _DEPENDENT * before
+        cols.append(jnp.where(independent, v / jnp.where(independent, norm, 1.0), 0.0))
+    return jnp.stack(cols, axis=-1)
 
 
 def powersgd(m: jax.Array, q: jax.Array, row_axes: Sequence[str], col_axes: Sequence[str]

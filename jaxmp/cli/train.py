@@ -77,13 +77,14 @@ def apply_precision(config: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxmp._util.env import add_xla_flags
+    from jaxmp._util.env import add_xla_flags, limit_malloc_arenas
     from jaxmp.recipes.gpt_config import load_config
 
     config = load_config(args.config, overrides=args.set or [])
     # Orbax reports a failed background write as absl ERROR lines with tracebacks; jaxmp
     # reports it itself, in one line (jaxmp.train.checkpointing).
     logging.getLogger("absl").setLevel(logging.CRITICAL)
+    limit_malloc_arenas()  # before jax's threads: host memory stays flat over long runs
     simulate(args.simulate_devices)
     add_xla_flags(config.xla.flags)
     _init_distributed(args)

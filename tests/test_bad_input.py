@@ -163,6 +163,18 @@ CASES = [
     Case("microbatch not divisible by the batch axes",
          train("train.batch_size=16", "train.grad_accum=4", "mesh.data=8", "mesh.fsdp=1"),
          2, "4 rows per microbatch, which do not divide over the 8 batch shards"),
+    # -- pipeline stages (mesh.stage > 1)
+    Case("1F1B with fewer microbatches than stages",
+         train("mesh.data=1", "mesh.stage=2", "model.layers=2", "pipeline.schedule=1f1b",
+               "pipeline.microbatches=1"),
+         2, r"pipeline.microbatches: 1f1b needs at least as many microbatches as stages \(2\)"),
+    Case("fewer layers than stages x virtual stages",
+         train("mesh.data=1", "mesh.stage=2", "pipeline.schedule=interleaved",
+               "pipeline.virtual_stages=2", "pipeline.microbatches=2"),
+         2, "1 blocks cannot fill 2 stages x 2 virtual stages"),
+    Case("batch not divisible by microbatches x batch shards",
+         train("mesh.data=1", "mesh.stage=2", "model.layers=2", "pipeline.microbatches=3"),
+         2, r"train.batch_size=8 does not split into pipeline.microbatches=3 x 4 batch shards"),
     # -- data
     Case("missing data file", train("data.source=/nonexistent/tokens.bin"), 2,
          "data file not found: /nonexistent/tokens.bin"),

@@ -1,16 +1,16 @@
-"""Does compressing the gradient reduction hurt training? The default run, five ways.
+"""Does compressing the gradient reduction hurt training? The default run, seven ways.
 
-    python scripts/compression_curves.py              # 5 runs x 300 steps, one after another
+    python scripts/compression_curves.py              # 7 runs x 300 steps, one after another
     python scripts/compression_curves.py --plot-only  # redraw from the run directories
 
 Each run is ``jaxmp train`` with the defaults (configs/tiny.toml: the byte-level GPT on the
 stdlib corpus, batch 16 x 128) on ``--devices`` simulated CPU devices, all on the data axis,
 for ``--steps`` steps, evaluated every 50: uncompressed, bf16, int8 with and without error
-feedback, PowerSGD rank 4. Bytes per step come from each run's compiled step
-(``jaxmp.hlo.collective_stats``), and the step time a slow link would add is those bytes over
-the inter-host bandwidth of a device profile (A100: 25 GB/s). Writes the PNG and a JSON
-summary and prints the Markdown table of docs/compression.md. Needs matplotlib (``pip install
--e ".[report]"``).
+feedback, PowerSGD rank 4 and 16, and rank 4 after 100 uncompressed steps. Bytes per step
+come from each run's compiled step (``jaxmp.hlo.collective_stats``), and the step time a
+slow link would add is those bytes over the inter-host bandwidth of a device profile (A100:
+25 GB/s). Writes the PNG and a JSON summary and prints the Markdown table of
+docs/compression.md. Needs matplotlib (``pip install -e ".[report]"``).
 """
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ VARIANTS = [
     ("int8 + error feedback", ["train.grad_compression=int8"]),
     ("int8, no error feedback", ["train.grad_compression=int8", "train.error_feedback=false"]),
     ("PowerSGD rank 4", ["train.grad_compression=powersgd", "train.powersgd_rank=4"]),
+    ("PowerSGD rank 16", ["train.grad_compression=powersgd", "train.powersgd_rank=16"]),
+    ("PowerSGD rank 4, 100 warm-up steps", ["train.grad_compression=powersgd",
+                                            "train.powersgd_rank=4", "train.powersgd_start=100"]),
 ]
 PROFILE = "A100-80GB"  # its inter-host link: 25 GB/s per device
 

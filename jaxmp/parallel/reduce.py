@@ -96,6 +96,15 @@ def matrix_view(shape: Sequence[int], names: Sequence[str | None] | None,
     return MatrixView(b, b + k) if rank * (n + m) < n * m else None
 
 
+def reduced_after_microbatches(data: int, kind: str, microbatches: int, stages: int = 1
+                               ) -> bool:
+    """Whether the data-axis gradient reduction leaves XLA's hands and runs once per step,
+    after the last microbatch: to compress it (``kind``), or to accumulate microbatches or a
+    pipeline's chunks first. Otherwise XLA reduces each layer's gradients as the backward
+    pass makes them. The Trainer (``train/wire.py``) and the planner both ask here."""
+    return data > 1 and (kind != "none" or microbatches > 1 or stages > 1)
+
+
 def bytes_factor(comp: Compression, params: Sequence[tuple[Sequence[int], Any]]) -> float:
     """Bytes the data-axis reduction sends relative to a float32 all-reduce of the same params
     (``params``: (shape, logical names) of each array). For the planner."""

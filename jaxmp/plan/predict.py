@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxmp.mesh import AXES
 from jaxmp.parallel.balance import InfeasibleError
+from jaxmp.parallel.reduce import reduced_after_microbatches
 from jaxmp.plan.context import (STEP_STATE_BYTES, Context, Layout, Prediction, _Shard,
                                 overlapped)
 from jaxmp.plan.pipeline import predict_pipeline
@@ -61,17 +62,13 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     comm = dict.fromkeys(AXES, 0.0)
     comm["tensor"] = m * float(a["tp"].sum())
     comm["fsdp"] = m * float(a["fsdp"].sum())
-    # The data-axis gradient reduction, encoded per train.grad_compression. Plain (one batch,
-    # uncompressed) XLA reduces each layer's gradients as the backward pass produces them;
-    # with a reducer (jaxmp.parallel.reduce: accumulation or compression) it runs once, after
-    # the last microbatch, with nothing left to hide behind.
-    at_end = d > 1 and (m > 1 or ctx.grad_compression.kind != "none")
-    if d > 1:
-        comm["data"] = ctx.grad_bytes_factor * 2 * (d - 1) / d * float(a["local"].sum())
+    # The data-axis gradient reduction, encoded per train.grad_compression: beside the
+    # backward pass (XLA's), or once after the last microbatch with nothing to hide behind.
+    at_end = reduced_after_microbatches(d, ctx.grad_compression.kind, m)
+    data_bytes = ctx.grad_bytes_factor * 2 * (d - 1) / d * a["local"]
+    comm["data"] = float(data_bytes.sum())
     bw = ctx.link_bw(s)
-    per_layer = m * a["fsdp"] / bw["fsdp"]
-    if d > 1 and not at_end:
-        per_layer = per_layer + ctx.grad_bytes_factor * 2 * (d - 1) / d * a["local"] / bw["data"]
+    per_layer = m * a["fsdp"] / bw["fsdp"] + (0.0 if at_end else data_bytes / bw["data"])
     exposed, hidden = overlapped(per_layer, m * a["flop_time"],
                                  float(a["gather1"].max()) / bw["fsdp"], ctx.profile.overlap)
     raw = {"fsdp": comm["fsdp"] / bw["fsdp"], "data": comm["data"] / bw["data"]}

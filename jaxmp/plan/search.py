@@ -156,7 +156,7 @@ def search(ctx: Context, fixed: Mapping[str, int] | None = None,
             for remat in remats:
                 layout = Layout(tuple(sizes.items()), remat, m, kind, v)
                 pred = predict(ctx, layout)
-                fits = pred.per_device_bytes <= ctx.memory_limit
+                fits = bool(pred.per_device_bytes <= ctx.memory_limit)
                 remat_ok = configured_remat is None or remat == configured_remat
                 blockers = [] if remat_ok else [f"needs model.remat={remat!r}"]
                 if p == 1 and m != grad_accum:

@@ -7,8 +7,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from jaxmp._util.fmt import fmt_bytes, fmt_flops, fmt_time, md_table, mesh_str
 from jaxmp._util.io import atomic_write
 from jaxmp.errors import MissingDependency
@@ -20,10 +18,7 @@ CHARTS = ("memory.png", "collectives.png", "step_time.png")
 
 
 def finite(x: Any) -> Any:
-    """``x`` with every non-finite float replaced by None (JSON has no NaN or Infinity) and
-    numpy scalars as Python ones."""
-    if isinstance(x, np.generic):
-        x = x.item()
+    """``x`` with every non-finite float replaced by None (JSON has no NaN or Infinity)."""
     if isinstance(x, float):
         return x if math.isfinite(x) else None
     if isinstance(x, dict):

@@ -16,7 +16,8 @@ from jax.sharding import Mesh
 
 from jaxmp.config import TrainerConfig
 from jaxmp.parallel.gather import WeightGather, weight_gather
-from jaxmp.parallel.reduce import STATE_KEY, Compression, Reducer, state_extension
+from jaxmp.parallel.reduce import (STATE_KEY, Compression, Reducer, reduced_after_microbatches,
+                                   state_extension)
 
 
 def data_size(mesh: Mesh) -> int:
@@ -27,15 +28,15 @@ def compression_of(config: TrainerConfig) -> Compression:
     return Compression.from_config(config.train)
 
 
-def pipelined(mesh: Mesh) -> bool:
-    return int(dict(mesh.shape).get("stage", 1)) > 1
+def stages(mesh: Mesh) -> int:
+    return int(dict(mesh.shape).get("stage", 1))
 
 
 def uses_reducer(config: TrainerConfig, mesh: Mesh) -> bool:
     """A reducer is needed to compress, or to accumulate microbatches (or a pipeline's
     chunks) before reducing: once per step instead of once per microbatch."""
-    return data_size(mesh) > 1 and (config.train.grad_compression != "none"
-                                    or config.train.grad_accum > 1 or pipelined(mesh))
+    return reduced_after_microbatches(data_size(mesh), config.train.grad_compression,
+                                      config.train.grad_accum, stages(mesh))
 
 
 def extensions(config: TrainerConfig, mesh: Mesh, path_rules: Sequence | None) -> dict[str, Any]:
@@ -54,7 +55,7 @@ def reducer(config: TrainerConfig, mesh: Mesh, layout: Any, path_rules: Sequence
     comp = compression_of(config)
     if warmup:
         comp = comp.uncompressed()
-    if comp.kind == "none" and config.train.grad_accum == 1 and not pipelined(mesh):
+    if comp.kind == "none" and config.train.grad_accum == 1 and stages(mesh) == 1:
         return None
     return Reducer(comp, mesh, layout.abstract.params, layout.shardings.params, path_rules)
 

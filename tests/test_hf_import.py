@@ -71,7 +71,8 @@ def runs(hf, tmp_path_factory) -> dict[str, Path]:
     """Each case imported by `jaxmp ckpt import` (params built on all 8 devices, fsdp)."""
     root = tmp_path_factory.mktemp("runs")
     for name, (folder, _, _) in hf.items():
-        assert main(["ckpt", "import", str(folder), "--out", str(root / name)]) == 0
+        keep = ["--set", "model.param_dtype=bfloat16"] if name == "qwen2" else []  # as stored
+        assert main(["ckpt", "import", str(folder), "--out", str(root / name), *keep]) == 0
     return {name: root / name for name in hf}
 
 
@@ -93,7 +94,8 @@ def test_run_directory_and_config(name, hf, runs):
     assert (m.activation, m.tie_embeddings, m.qkv_bias, m.rope_theta, m.norm_eps) == (
         "swiglu", case["tied"], name == "qwen2", case["theta"], 1e-6)
     assert m.rope_scaling == ("llama3" if name == "llama" else "none")
-    assert m.param_dtype == ("bfloat16" if case["dtype"] == "bfloat16" else "float32")
+    assert m.param_dtype == ("bfloat16" if name == "qwen2" else "float32")
+    assert config.optimizer.lr == 2e-5  # a fine-tuning rate, not the tiny model's 3e-3
     info = checkpoint.info(run)
     assert info["step"] == 0 and all(p.startswith("params/") for p in info["meta"]["arrays"])
     assert (run / "tokenizer.json").is_file() == (name == "llama")
@@ -176,7 +178,8 @@ def test_export_gives_back_the_same_tensors(name, hf, runs, tmp_path):
                 "max_position_embeddings", "bos_token_id", "torch_dtype"):
         assert exported[key] == source[key], key
     if name == "llama":
-        assert (tmp_path / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+        tokenizer = (tmp_path / "tokenizer.json").read_bytes()
+        assert tokenizer == (folder / "tokenizer.json").read_bytes()
 
 
 def test_export_in_another_dtype(runs, tmp_path, hf):
@@ -227,7 +230,7 @@ def _reference_loss(run: Path, tensors: dict, config: dict) -> float:
 
 
 def test_fine_tuning_an_imported_run_starts_from_the_reference_loss(hf, runs, tmp_path):
-    """`jaxmp train --run-dir RUN` on an imported bf16 Qwen2: the run's config.toml, the
+    """`jaxmp train --run-dir RUN` on a Qwen2 imported as bf16: the run's config.toml, the
     imported params (cast to float32 master weights), a fresh optimizer state."""
     _, tensors, config = hf["qwen2"]
     run = tmp_path / "run"
@@ -383,3 +386,100 @@ def test_a_failed_import_leaves_nothing(hf, tmp_path, monkeypatch):
 def test_import_refuses_a_run_directory_in_use(hf, runs, capsys):
     assert main(["ckpt", "import", str(hf["llama"][0]), "--out", str(runs["llama"])]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ several processes
+
+WORKER = """
+import json, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+port, pid, hf, out = sys.argv[1:]
+jax.distributed.initialize(f"127.0.0.1:{port}", 2, int(pid))
+import jaxmp
+import jaxmp.checkpoint.hf.load as load
+from jaxmp.recipes.hf import hf_config, import_run
+cut, seen = load._cut, []
+
+def counted(view, bounds, dtype):
+    seen.append([list(b) for b in bounds])
+    return cut(view, bounds, dtype)
+
+load._cut = counted
+import_run(hf, out, hf_config(hf), mesh=jaxmp.make_mesh({"fsdp": 4, "tensor": 2}))
+with open(f"{out}.cut{pid}.json", "w") as f:
+    json.dump(seen, f)
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_each_cut_only_their_devices_slices(hf, runs, tmp_path):
+    """2 processes x 4 devices import onto one fsdp 4 x tensor 2 mesh: each copies exactly
+    half of every tensor out of the files (its devices' slices), and the checkpoint — its
+    checksums summed over both — equals the single-process import bit for bit."""
+    from test_checkpoint_helpers import REPO, free_port, subprocess_env
+
+    folder, out, port = hf["llama"][0], tmp_path / "run", free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(port), str(i), str(folder),
+                               str(out)], cwd=REPO, env=subprocess_env(4),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
+    assert checkpoint.info(out)["meta"]["processes"] == 2
+    sizes = [sum(int(np.prod([b - a for a, b in cut])) for cut in json.loads(
+        Path(f"{out}.cut{i}.json").read_text())) for i in range(2)]
+    total = sum(v.size for v in hf["llama"][1].values())
+    assert sizes == [total // 2, total // 2]
+    one = jaxmp.make_mesh({"fsdp": 1}, ONE)
+    a, b = (checkpoint.restore(r, mesh=one) for r in (runs["llama"], out))  # checksums verified
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+# ----------------------------------------------------------------------------- the docs
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "huggingface.md"
+
+
+@pytest.mark.slow
+def test_the_docs_walkthrough_runs_as_written(tmp_path):
+    """docs/huggingface.md's end-to-end block, command by command (the download skipped: a
+    random model of Qwen2's layout, with a tokenizer trained on the docs, stands in)."""
+    import glob
+    import shlex
+
+    from jaxmp.data.tokenizer import train_bpe
+
+    text = DOC.read_text()
+    section = text[text.index("## Fine-tune a Llama-family model, end to end"):]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    commands = [shlex.split(line) for line in block.splitlines() if line.strip()]
+    assert commands[0][0] == "huggingface-cli" and all(c[0] == "jaxmp" for c in commands[1:])
+    folder = Path(commands[0][commands[0].index("--local-dir") + 1])
+    shutil.copytree(DOC.parent, tmp_path / "docs")
+    shutil.copy(DOC.parent.parent / "README.md", tmp_path / "README.md")
+    ref.make_checkpoint(tmp_path / folder, "Qwen2ForCausalLM", vocab=512, d=64, layers=2,
+                        heads=4, kv=2, head_dim=16, mlp=128, tied=True, dtype="bfloat16",
+                        files=2, theta=1e6)
+    docs = [Path(p).read_text() for p in glob.glob(str(tmp_path / "docs" / "*.md"))]
+    train_bpe(docs, 512).save(str(tmp_path / folder / "tokenizer.json"))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "PYTHONPATH": str(DOC.parent.parent)}
+    outputs = []
+    for cmd in commands[1:]:
+        r = subprocess.run([sys.executable, "-m", "jaxmp.cli", *cmd[1:]], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, (cmd, r.stderr[-2000:])
+        outputs.append(r.stdout)
+    run = tmp_path / "runs" / "qwen"
+    assert outputs[1].startswith("The planner") and outputs[4].startswith("The planner")
+    plan = json.loads((run / "plan.json").read_text())
+    assert (plan["mesh"]["fsdp"], plan["mesh"]["tensor"]) == (4, 2)
+    losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 10 and losses[-1] < losses[0]
+    out = tmp_path / "hf" / "Qwen2.5-0.5B-docs"
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["architectures"] == ["Qwen2ForCausalLM"] and exported["torch_dtype"] == \
+        "bfloat16" and (out / "tokenizer.json").is_file()
+    assert ref.load_checkpoint(out)["model.norm.weight"].dtype == ref.DTYPES["bfloat16"]

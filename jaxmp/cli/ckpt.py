@@ -123,6 +123,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from jaxmp._util.env import return_large_frees
+
+    return_large_frees()  # one array after another: host memory stays at one
     _quiet_orbax()
     from jaxmp.checkpoint import inspect as tools
     from jaxmp.checkpoint.hf import export_hf
@@ -151,8 +154,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from jaxmp._util.env import return_large_frees
     from jaxmp.cli.train import simulate
 
+    return_large_frees()  # one tensor after another: host memory stays at one
     simulate(args.simulate_devices)
     _quiet_orbax()
     from jaxmp.recipes.hf import hf_config, import_run

@@ -5,7 +5,8 @@ a cache as long as the whole sample; then ``lax.fori_loop`` feeds one token at a
 attending to the cache under a causal mask. Everything else is the model's own code — its
 parameters, RMSNorm and MLP modules, :meth:`~jaxmp.models.gpt.Attention.qkv` (projections,
 biases, rotary embedding with its scaling), the same ``dot_product_attention`` — so greedy
-decoding equals an argmax of the full forward pass at every step (a test checks it). Prompt, cache and sampling all live in one compiled program.
+decoding equals an argmax of the full forward pass at every step (a test checks it). Prompt,
+cache and sampling all live in one compiled program.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from jaxmp.checkpoint.hf import Weights, import_checkpoint, model_keys, param_dtype, read_config
+from jaxmp.checkpoint.hf import Weights, import_checkpoint, model_keys, read_config
 from jaxmp.checkpoint.hf.arch import sliding_window
 from jaxmp.checkpoint.hf.load import TOKENIZER, warn_sliding_window
 from jaxmp.config import config_to_toml, parse_override
@@ -26,6 +26,11 @@ from jaxmp.errors import ConfigError, DataError
 from jaxmp.recipes.gpt import model_gpt_config
 from jaxmp.recipes.gpt_config import Config, ModelConfig, load_config
 
+# Without a config file, a run from a pretrained model fine-tunes: the defaults' 3e-3 is a
+# from-scratch rate that would wreck the imported weights in a few steps. (Params stay the
+# default float32 whatever the files hold: bf16 weights would round away updates that
+# small; `--set model.param_dtype=bfloat16` keeps them as stored, e.g. to only sample.)
+FINE_TUNING = ("optimizer.lr=2e-5",)
 # What the checkpoint's tensors were trained to compute: fixed by config.json.
 FIXED = ("layers", "d_model", "heads", "kv_heads", "head_dim", "mlp_dim", "activation",
          "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_factor",
@@ -41,13 +46,13 @@ def _toml(value: Any) -> str:
 
 def hf_config(hf_dir: str | os.PathLike, path: str | os.PathLike | None = None,
               overrides: Sequence[str] = ()) -> Config:
-    """The GPT config of a run started from ``hf_dir``: defaults, the config file ``path``,
-    the model of ``hf_dir/config.json``, then ``overrides``. Reads file headers only."""
+    """The GPT config of a run started from ``hf_dir``: defaults, the config file ``path``
+    (or, without one, :data:`FINE_TUNING`'s learning rate), the model of
+    ``hf_dir/config.json``, then ``overrides``. Reads file headers only."""
     where = f"{Path(hf_dir) / 'config.json'}"
     source = read_config(hf_dir)
     keys = model_keys(source, where)
-    weights = Weights(hf_dir)
-    keys["param_dtype"] = param_dtype({n: weights[n].dtype for n in weights})
+    Weights(hf_dir)  # a folder without readable weights is bad input now, before any device work
     try:
         ModelConfig(**keys)
     except ConfigError as e:
@@ -56,8 +61,9 @@ def hf_config(hf_dir: str | os.PathLike, path: str | os.PathLike | None = None,
         section, key, value = parse_override(text)
         if (section, key) == ("model", "vocab_size") and isinstance(value, int):
             _check_vocab(value, keys["vocab_size"], hf_dir)
-    config = load_config(path, [f"model.{k}={_toml(v)}" for k, v in keys.items()]
-                         + list(overrides))
+    config = load_config(path, [*(FINE_TUNING if path is None else ()),
+                                *(f"model.{k}={_toml(v)}" for k, v in keys.items()),
+                                *overrides])
     for key in (k for k in FIXED if k in keys):  # the rope_* factors only with llama3
         if getattr(config.model, key) != keys[key]:
             raise ConfigError(f"model.{key}: {hf_dir} holds a model with {key} = "

@@ -13,10 +13,10 @@ The recipe glue (the GPT config from ``config.json`` plus ``--set``) is
 :mod:`jaxmp.recipes.hf`.
 """
 
-from jaxmp.checkpoint.hf.arch import ARCHITECTURES, model_keys, param_dtype, read_config
+from jaxmp.checkpoint.hf.arch import ARCHITECTURES, model_keys, read_config
 from jaxmp.checkpoint.hf.export import export_hf
 from jaxmp.checkpoint.hf.files import Weights
 from jaxmp.checkpoint.hf.load import import_checkpoint
 
 __all__ = ["ARCHITECTURES", "Weights", "export_hf", "import_checkpoint", "model_keys",
-           "param_dtype", "read_config"]
+           "read_config"]

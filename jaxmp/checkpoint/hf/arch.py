@@ -209,13 +209,6 @@ def model_keys(config: Mapping[str, Any], where: str) -> dict[str, Any]:
             "qkv_bias": arch == "qwen2", **_rope(config, where)}
 
 
-def param_dtype(dtypes: Mapping[str, np.dtype]) -> str:
-    """The ``model.param_dtype`` that holds stored tensors (``{name: dtype}``) exactly:
-    bfloat16 when all are bf16, else float32 (fp16 widens to float32 without loss)."""
-    kept = [d for n, d in dtypes.items() if not IGNORED.search(n)]
-    return "bfloat16" if kept and all(d.name == "bfloat16" for d in kept) else "float32"
-
-
 def sliding_window(config: Mapping[str, Any]) -> int | None:
     """The attention window a Mistral / Qwen2 config uses, if any (jaxmp attends to all)."""
     window = config.get("sliding_window")

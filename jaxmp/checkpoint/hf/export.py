@@ -120,9 +120,10 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, step: int | None 
         dtypes = iter(t[1] for t in tensors)
         for lay in layouts:
             a = store.read_numpy(step_dir, prefix + lay.path, records[lay.path])
-            for layer in (a if lay.stacked else [a]):
-                yield np.ascontiguousarray(lay.to_hf(layer), dtype=next(dtypes))
-            del a
+            for k in range(len(a)) if lay.stacked else [None]:
+                yield np.ascontiguousarray(lay.to_hf(a if k is None else a[k]),
+                                           dtype=next(dtypes))
+            del a  # no view of it left: freed before the next array is read
 
     sizes = [math.prod(s) * np.dtype(d).itemsize for _, d, s in tensors]
     counts = _shards(sizes, max_shard_bytes)

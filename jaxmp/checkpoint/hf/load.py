@@ -1,17 +1,18 @@
 """A Hugging Face Llama-family folder → the GPT's params, placed straight onto a mesh.
 
 Nothing is materialised whole. Each param's sharding comes from its logical names and the
-rules (as for a restore); ``jax.make_array_from_callback`` then asks for one slice per local
-device, and the slice is cut from the memory-mapped HF tensor (a view: only the pages it
-covers are read; replicated slices are cut once). A layer stack ``[layers, ...]`` starts as
-zeros in its shards and receives one HF layer at a time through a donated in-place update, so
-the host never holds more than one HF tensor plus this process's slices of it. On several
-processes each one is asked only for its own devices' slices, so it reads only those.
+rules (as for a restore); each local device is then sent its slice, cut from the
+memory-mapped HF tensor (a view: only the pages it covers are read; a slice several devices
+share is cut once) and assembled with ``jax.make_array_from_single_device_arrays`` — like
+``jax.make_array_from_callback``, but with one slice on the host at a time. A layer stack
+``[layers, ...]`` starts as zeros in its shards and receives one HF layer at a time through a
+donated in-place update, so the host holds one HF tensor and one slice of it at most. On
+several processes each sends only to its own devices, so it reads only their slices.
 
-:func:`import_checkpoint` writes what a run directory needs (a step-0 checkpoint of the params,
-``config.toml``, the tokenizer, the source's small JSON files and each tensor's stored dtype
-under ``hf/``) into a folder
-beside the target and renames it into place at the end: a failed import leaves nothing.
+:func:`import_checkpoint` writes what a run directory needs (a step-0 checkpoint of the
+params, ``config.toml``, the tokenizer; under ``hf/`` the source's small JSON files and each
+tensor's stored dtype) into a folder beside the target and renames it into place at the end:
+a failed import leaves nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxmp import sharding
 from jaxmp._util.io import atomic_write
 from jaxmp._util.log import say
-from jaxmp.checkpoint import records, store
+from jaxmp.checkpoint import checksum, records, store
 from jaxmp.checkpoint.api import save
 from jaxmp.checkpoint.hf.arch import IGNORED, Layout, layouts_for
 from jaxmp.checkpoint.hf.files import Tensor, Weights, mapped
@@ -114,26 +115,11 @@ def _fits(found: Sequence[int], want: Sequence[int], vocab_axis: int | None) -> 
                for d, (f, w) in enumerate(zip(found, want)))
 
 
-def _cutter(view: np.ndarray, shape: Sequence[int], dtype: np.dtype):
-    """``index → numpy copy`` of that slice of ``view`` (a param of ``shape``) in ``dtype``,
-    zero-padded where ``view`` ends (a padded vocabulary); equal indices (replicated shards)
-    share one host copy."""
-    cache: dict[tuple, np.ndarray] = {}
-
-    def cut(index: tuple[slice, ...]) -> np.ndarray:
-        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-        if bounds not in cache:
-            if all(b <= n for (_, b), n in zip(bounds, view.shape)):
-                cache[bounds] = np.array(view[tuple(slice(a, b) for a, b in bounds)], dtype)
-            else:
-                cache[bounds] = _padded(view, bounds, dtype)
-        return cache[bounds]
-
-    return cut
-
-
-def _padded(view: np.ndarray, bounds: Sequence[tuple[int, int]], dtype: np.dtype) -> np.ndarray:
-    """The slice ``bounds`` of ``view`` extended with zeros beyond its end."""
+def _cut(view: np.ndarray, bounds: Sequence[tuple[int, int]], dtype: np.dtype) -> np.ndarray:
+    """A copy of the slice ``bounds`` of ``view`` in ``dtype``, zero-padded where ``view``
+    ends (a vocabulary padded past the checkpoint's)."""
+    if all(b <= n for (_, b), n in zip(bounds, view.shape)):
+        return np.array(view[tuple(slice(a, b) for a, b in bounds)], dtype)
     out = np.zeros([b - a for a, b in bounds], dtype)
     have = [(a, min(b, n)) for (a, b), n in zip(bounds, view.shape)]
     if all(b > a for a, b in have):
@@ -149,11 +135,36 @@ def _view_shape(p: Param, t: Tensor) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _placed(p: Param, t: Tensor, shape: tuple[int, ...], where: NamedSharding) -> jax.Array:
-    """HF tensor ``t`` in the jaxmp layout of ``shape``, each device given its slice (the
-    mapping of ``t`` ends with this function: its pages leave the process)."""
+def _placed(p: Param, t: Tensor, shape: tuple[int, ...], where: NamedSharding,
+            at: tuple[int, ...] = ()) -> tuple[jax.Array, tuple[int, int]]:
+    """HF tensor ``t`` in the jaxmp layout of ``shape``, each local device sent its slice
+    as soon as it is cut (slices that several devices share are cut once). The host holds
+    the mapped tensor and one slice; the mapping ends with this function.
+
+    Also returns this process's part of the param's checksum sums: over the slices it is
+    the first holder of (``at``: the layer's index in its stack), so that the parts of all
+    processes add up to each element once."""
     view = p.layout.to_jaxmp(mapped(t), _view_shape(p, t))
-    return jax.make_array_from_callback(shape, where, _cutter(view, shape, p.dtype))
+    local = where.addressable_devices_indices_map(shape)
+    wanted: dict[tuple, list[jax.Device]] = {}
+    first: dict[tuple, jax.Device] = {}
+    for device, index in where.devices_indices_map(shape).items():
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        first.setdefault(bounds, device)
+        if device in local:
+            wanted.setdefault(bounds, []).append(device)
+    shards, total, weighted = {}, 0, 0
+    full = (len(p.tensors),) + shape if at else shape
+    for bounds, devices in wanted.items():
+        piece = _cut(view, bounds, p.dtype)
+        shards |= {d: jax.device_put(piece, d) for d in devices}
+        if first[bounds] in devices:
+            s1, s2 = checksum.block_sums(piece[None] if at else piece,
+                                         at + tuple(a for a, _ in bounds), full)
+            total, weighted = total + s1, weighted + s2
+        del piece
+    array = jax.make_array_from_single_device_arrays(shape, where, [shards[d] for d in local])
+    return array, (total, weighted)
 
 
 @functools.lru_cache(maxsize=64)
@@ -168,10 +179,11 @@ def _set_layer(where: NamedSharding):
         stack, layer, i, 0), out_shardings=where, donate_argnums=0)
 
 
-def place(params: Sequence[Param], mesh: jax.sharding.Mesh,
-          rules: Sequence | None = None) -> Iterator[tuple[str, jax.Array]]:
-    """``(path, array)`` per param, each built on ``mesh`` from its HF tensor(s), one at a
-    time (drop an array once used and the host never holds more than one)."""
+def place(params: Sequence[Param], mesh: jax.sharding.Mesh, rules: Sequence | None = None,
+          ) -> Iterator[tuple[str, jax.Array, tuple[int, int]]]:
+    """``(path, array, sums)`` per param, each built on ``mesh`` from its HF tensor(s), one at
+    a time (drop an array once used and the host never holds more than one); ``sums``: this
+    process's part of its checksum (:func:`jaxmp.checkpoint.checksum.block_sums`)."""
     rules = sharding.DEFAULT_RULES if rules is None else rules
     recs = {p.path: {"shape": list(p.shape), "names": list(p.names) if p.names else None}
             for p in params}
@@ -179,13 +191,24 @@ def place(params: Sequence[Param], mesh: jax.sharding.Mesh,
     for p in params:
         where = placement[p.path]
         if not p.layout.stacked:
-            yield p.path, _placed(p, p.tensors[0], p.shape, where)
+            yield p.path, *_placed(p, p.tensors[0], p.shape, where)
             continue
         layer_where = NamedSharding(mesh, PartitionSpec(*where.spec[1:]))
-        stack = _zeros(p.shape, p.dtype, where)()
+        stack, total, weighted = _zeros(p.shape, p.dtype, where)(), 0, 0
         for i, t in enumerate(p.tensors):
-            stack = _set_layer(where)(stack, _placed(p, t, p.shape[1:], layer_where), np.int32(i))
-        yield p.path, stack
+            layer, (s1, s2) = _placed(p, t, p.shape[1:], layer_where, at=(i,))
+            stack = _set_layer(where)(stack, layer, np.int32(i))
+            total, weighted = total + s1, weighted + s2
+        yield p.path, stack, (total, weighted)
+        del stack, layer  # the caller may have dropped it: do not keep it alive here
+
+
+def _checksums(parts: dict[str, tuple[int, int]]) -> dict[str, str]:
+    """Checksum records from every process's parts of the sums (one all-gather)."""
+    local = np.array([[a % 2**64, b % 2**64] for a, b in parts.values()], np.uint64)
+    every = multihost_utils.process_allgather(local) if jax.process_count() > 1 else local[None]
+    summed = every.sum(axis=0, dtype=np.uint64)  # wraps mod 2**64, which 2**32 divides
+    return {path: checksum.from_sums(int(a), int(b)) for path, (a, b) in zip(parts, summed)}
 
 
 def _barrier(name: str) -> None:
@@ -229,10 +252,14 @@ def import_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, cfg: GP
         tmp.mkdir(parents=True)
     _barrier("jaxmp_hf_import_start")
     try:
-        arrays = dict(place(params, mesh, rules))
-        names = {f"params/{p.path}": p.names for p in params}
-        save(tmp / "checkpoints", 0, {"params": records.nest(arrays)}, names=names,
-             config_toml=config_toml)
+        arrays, parts = {}, {}
+        for path, array, sums in place(params, mesh, rules):
+            arrays[path], parts[f"params/{path}"] = array, sums
+        # checksums from the host's slices: the device program would need several times
+        # the state in scratch on CPU devices
+        save(tmp / "checkpoints", 0, {"params": records.nest(arrays)},
+             names={f"params/{p.path}": p.names for p in params}, config_toml=config_toml,
+             checksums=_checksums(parts))
         del arrays
         if main:
             _side_files(hf_dir, tmp, config_toml)

@@ -14,9 +14,9 @@ Llama-shaped checkpoint, onto simulated devices.
      the host goes through when the devices are accelerators, whose memory is not host RSS);
    - ``import``: the whole ``jaxmp ckpt import`` (params kept on the devices, then saved);
    - ``export``: ``jaxmp ckpt export --format llama`` of that run;
-   and the peak RSS (``VmHWM``) compared with the baseline and the largest tensor. On simulated
-   CPU devices the devices' memory *is* host memory, so for ``import`` — which holds the whole
-   model on the devices while Orbax saves it — the model's bytes are reported beside the peak.
+   and the peak RSS (``VmHWM``) over the baseline, per param and for the save, minus what the
+   devices held at that moment (on simulated CPU devices the devices' memory *is* host
+   memory), compared with the largest tensor.
 
 Goal (issue 22): peak ≤ baseline + 2 × the largest tensor for the host's own work.
 ``--param-dtype`` runs the phases importing into bfloat16 (the tensors as stored) and into
@@ -99,6 +99,23 @@ def write_checkpoint(folder: Path, gb: float) -> dict:
             "layers": config["num_hidden_layers"], "write_s": time.perf_counter() - start}
 
 
+def measured(place, baseline: int, out: dict, keep: bool):
+    """``place`` that notes, after each param, the peak since the previous one minus what the
+    devices held then (the arrays built so far if ``keep``, else only this one): the host's
+    own share of the peak; and resets the peak."""
+    def wrapped(*args, **kwargs):
+        held = 0
+        for path, array, sums in place(*args, **kwargs):
+            array.block_until_ready()
+            held = held + array.nbytes if keep else array.nbytes
+            out["host"] = max(out.get("host", 0), status("VmHWM") - baseline - held)
+            out["on_devices"] = max(out.get("on_devices", 0), held)
+            yield path, array, sums
+            del array
+            Path("/proc/self/clear_refs").write_text("5")  # once the caller dropped it
+    return wrapped
+
+
 def child(phase: str, dtype: str, folder: Path, work: Path) -> dict:
     """One phase in this (fresh) process; returns its measurements."""
     from jaxmp._util.env import return_large_frees
@@ -107,8 +124,8 @@ def child(phase: str, dtype: str, folder: Path, work: Path) -> dict:
     import jax
 
     import jaxmp
+    import jaxmp.checkpoint.hf.load as load
     from jaxmp.checkpoint.hf import Weights
-    from jaxmp.checkpoint.hf.load import gpt_params, match, place
     from jaxmp.checkpoint.hf.export import export_hf
     from jaxmp.recipes.gpt import model_gpt_config
     from jaxmp.recipes.hf import hf_config, import_run
@@ -118,27 +135,26 @@ def child(phase: str, dtype: str, folder: Path, work: Path) -> dict:
     jax.block_until_ready(jax.numpy.zeros(8))  # the backend started: part of the baseline
     baseline = status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    start = time.perf_counter()
+    start, peak = time.perf_counter(), 0
     out: dict = {"phase": phase, "dtype": dtype, "baseline_rss": baseline,
                  "devices": jax.device_count()}
     if phase == "place":
-        params = match(Weights(folder), gpt_params(model_gpt_config(config.model)), str(folder))
-        largest = 0
-        for _, array, _ in place(params, mesh):
-            array.block_until_ready()
-            largest = max(largest, array.nbytes)
-            del array
+        params = load.match(Weights(folder), load.gpt_params(model_gpt_config(config.model)),
+                            str(folder))
+        for item in measured(load.place, baseline, out, keep=False)(params, mesh):
+            del item  # dropped before the next param is built
         out["bytes"] = sum(t.nbytes for p in params for t in p.tensors)
-        out["on_devices"] = largest  # the one array alive at a time
     elif phase == "import":
+        load.place = measured(load.place, baseline, out, keep=True)
         summary = import_run(folder, work / f"run-{dtype}", config, mesh=mesh)
         out["bytes"] = summary["read_bytes"]
-        out["on_devices"] = summary["param_bytes"]  # all held at once while Orbax saves
+        # the save: every param on the devices, Orbax writing them
+        out["host"] = max(out["host"], status("VmHWM") - baseline - summary["param_bytes"])
     else:
         summary = export_hf(work / f"run-{dtype}", work / f"export-{dtype}")
         out["bytes"] = summary["bytes"]
+        out["host"] = status("VmHWM") - baseline
     out["seconds"] = time.perf_counter() - start
-    out["peak_rss"] = status("VmHWM")
     return out
 
 
@@ -179,17 +195,17 @@ def main() -> None:
         return
     print(f"checkpoint: {made['bytes'] / 1e9:.2f} GB bf16, {made['layers']} layers, "
           f"{made['tensors']} tensors, largest {largest / MIB:.0f} MiB; {args.devices} devices")
-    print("host = peak - baseline - device-held: on simulated CPU devices device memory is "
-          "host memory; subtracted is the largest array (place: one alive at a time) or the "
-          "whole model (import: all alive while Orbax saves)")
-    print(f"{'phase':7} {'params':9} {'time s':>7} {'MB/s':>6} {'baseline':>9} "
-          f"{'peak-baseline':>14} {'device-held':>12} {'host MiB':>9} {'host/largest':>13}")
+    print("host = the peak RSS over the baseline minus what the (simulated CPU) devices held "
+          "at that moment, whose memory is host memory here: the one array being built "
+          "(place), the arrays built so far and then the whole model while Orbax saves it "
+          "(import)")
+    print(f"{'phase':7} {'params':9} {'time s':>7} {'MB/s':>6} {'baseline MiB':>13} "
+          f"{'max on devices':>15} {'host MiB':>9} {'host/largest':>13}")
     for r in results:
-        extra, on_dev = r["peak_rss"] - r["baseline_rss"], r.get("on_devices", 0)
         print(f"{r['phase']:7} {r['dtype']:9} {r['seconds']:7.1f} "
-              f"{r['bytes'] / 1e6 / r['seconds']:6.0f} {r['baseline_rss'] / MIB:9.0f} "
-              f"{extra / MIB:14.0f} {on_dev / MIB:12.0f} {(extra - on_dev) / MIB:9.0f} "
-              f"{(extra - on_dev) / largest:13.2f}")
+              f"{r['bytes'] / 1e6 / r['seconds']:6.0f} {r['baseline_rss'] / MIB:13.0f} "
+              f"{r.get('on_devices', 0) / MIB:15.0f} {r['host'] / MIB:9.0f} "
+              f"{r['host'] / largest:13.2f}")
 
 if __name__ == "__main__":
     main()

@@ -188,19 +188,22 @@ def place(params: Sequence[Param], mesh: jax.sharding.Mesh, rules: Sequence | No
     recs = {p.path: {"shape": list(p.shape), "names": list(p.names) if p.names else None}
             for p in params}
     placement = records.shardings_on(recs, mesh, rules)
-    for p in params:
-        where = placement[p.path]
-        if not p.layout.stacked:
-            yield p.path, *_placed(p, p.tensors[0], p.shape, where)
-            continue
-        layer_where = NamedSharding(mesh, PartitionSpec(*where.spec[1:]))
-        stack, total, weighted = _zeros(p.shape, p.dtype, where)(), 0, 0
-        for i, t in enumerate(p.tensors):
-            layer, (s1, s2) = _placed(p, t, p.shape[1:], layer_where, at=(i,))
-            stack = _set_layer(where)(stack, layer, np.int32(i))
-            total, weighted = total + s1, weighted + s2
-        yield p.path, stack, (total, weighted)
-        del stack, layer  # the caller may have dropped it: do not keep it alive here
+    for p in params:  # a yielded array is referenced by nothing here once the caller drops it
+        if p.layout.stacked:
+            yield p.path, *_stacked(p, placement[p.path])
+        else:
+            yield p.path, *_placed(p, p.tensors[0], p.shape, placement[p.path])
+
+
+def _stacked(p: Param, where: NamedSharding) -> tuple[jax.Array, tuple[int, int]]:
+    """A layer stack filled one HF layer at a time, in place (the stack is donated)."""
+    layer_where = NamedSharding(where.mesh, PartitionSpec(*where.spec[1:]))
+    stack, total, weighted = _zeros(p.shape, p.dtype, where)(), 0, 0
+    for i, t in enumerate(p.tensors):
+        layer, (s1, s2) = _placed(p, t, p.shape[1:], layer_where, at=(i,))
+        stack = _set_layer(where)(stack, layer, np.int32(i))
+        total, weighted = total + s1, weighted + s2
+    return stack, (total, weighted)
 
 
 def _checksums(parts: dict[str, tuple[int, int]]) -> dict[str, str]:

@@ -346,6 +346,8 @@ def _drop(name: str):
      "model.vocab_size: 256 is smaller than the 320-token vocabulary"),
     ("llama", _edit_config(vocab_size=260), [],
      "tensor model.embed_tokens.weight has shape [320, 64], expected [260, 64]"),
+    ("llama", _edit_config(vocab_size=400), [],
+     "tensor model.embed_tokens.weight has shape [320, 64], expected [400, 64]"),
     ("llama", _edit_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), [],
      "rope_scaling type 'yarn' is not supported"),
     ("mistral", lambda f: (f / "model-00002-of-00003.safetensors").write_bytes(b"\x05"), [],

@@ -67,7 +67,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="config.json and model.safetensors (or its sharded index)")
     im.add_argument("--out", required=True, metavar="RUN_DIR", help="a new run directory")
     im.add_argument("--set", action="append", metavar="KEY=VALUE",
-                    help="a config key of the run (e.g. model.param_dtype=float32)")
+                    help="a config key of the run (e.g. model.param_dtype=bfloat16 to keep bf16 "
+                         "weights as stored)")
     im.add_argument("--simulate-devices", type=int, default=None, metavar="N",
                     help="build the params on N simulated CPU devices")
     im.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -40,7 +40,7 @@ from jaxmp._util.io import atomic_write
 from jaxmp._util.log import say
 from jaxmp.checkpoint import checksum, records, store
 from jaxmp.checkpoint.api import save
-from jaxmp.checkpoint.hf.arch import IGNORED, Layout, layouts_for
+from jaxmp.checkpoint.hf.arch import IGNORED, Layout, layouts_for, read_config
 from jaxmp.checkpoint.hf.files import Tensor, Weights, mapped
 from jaxmp.errors import CheckpointError, RunDirError
 from jaxmp.mesh import make_mesh
@@ -71,27 +71,31 @@ def gpt_params(cfg: GPTConfig) -> dict[str, dict[str, Any]]:
     return {e.path: records.record(e) for e in records.entries(nnx.state(model, nnx.Param))}
 
 
-def match(weights: Weights, params: Mapping[str, Mapping[str, Any]], where: str) -> list[Param]:
+def match(weights: Weights, params: Mapping[str, Mapping[str, Any]], where: str,
+          vocab: int | None = None) -> list[Param]:
     """Pair every GPT param with its HF tensor(s), checking names, shapes and dtypes first
     (before any device work); unexpected tensors are refused too — they mean the checkpoint
-    computes something the GPT would not."""
+    computes something the GPT would not. ``vocab``: the checkpoint's vocabulary (config.json),
+    which the GPT's may exceed (padding); default: the GPT's."""
     out, used = [], set()
     tied = "unembed" not in params
     for lay in layouts_for(list(params)):
         rec = params[lay.path]
         shape = tuple(rec["shape"])
         layer_shape = shape[1:] if lay.stacked else shape
-        want = lay.hf_shape(layer_shape)
+        want = list(lay.hf_shape(layer_shape))
+        if lay.vocab_axis is not None and vocab is not None:
+            want[lay.hf_vocab_axis()] = vocab
         tensors = []
         for i in range(shape[0]) if lay.stacked else [None]:
             name = lay.hf_name(i)
             if name not in weights:
                 raise CheckpointError(f"{where}: tensor {name} is missing (expected "
-                                      f"{list(want)})")
+                                      f"{want})")
             t = weights[name]
-            if not _fits(t.shape, want, lay.hf_vocab_axis()):
+            if list(t.shape) != want:
                 raise CheckpointError(f"{where}: tensor {name} has shape {list(t.shape)}, "
-                                      f"expected {list(want)} (from config.json)")
+                                      f"expected {want} (from config.json)")
             if t.dtype.kind != "f" and t.dtype.name != "bfloat16":
                 raise CheckpointError(f"{where}: tensor {name} is {t.dtype.name}; jaxmp imports "
                                       f"float tensors (bf16, fp16, fp32), not quantized ones")
@@ -106,13 +110,6 @@ def match(weights: Weights, params: Mapping[str, Mapping[str, Any]], where: str)
                               f"({len(extra)} such tensor(s)); the model computes something "
                               f"the mapping does not")
     return out
-
-
-def _fits(found: Sequence[int], want: Sequence[int], vocab_axis: int | None) -> bool:
-    if len(found) != len(want):
-        return False
-    return all(f == w or (d == vocab_axis and f <= w)
-               for d, (f, w) in enumerate(zip(found, want)))
 
 
 def _cut(view: np.ndarray, bounds: Sequence[tuple[int, int]], dtype: np.dtype) -> np.ndarray:
@@ -244,7 +241,8 @@ def import_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, cfg: GP
     hf_dir, out = Path(hf_dir), Path(out)
     start = time.perf_counter()
     weights = Weights(hf_dir)
-    params = match(weights, gpt_params(cfg), str(hf_dir))
+    vocab = read_config(hf_dir).get("vocab_size")
+    params = match(weights, gpt_params(cfg), str(hf_dir), vocab if isinstance(vocab, int) else None)
     _target(out, into_existing)
     mesh = mesh if mesh is not None else make_mesh({"fsdp": -1})
     tmp = out.parent / f".{out.name}.importing"

@@ -23,7 +23,7 @@ from jaxmp.errors import ConfigError
 from jaxmp._util.arrays import tree_bytes
 from jaxmp.hlo import collective_stats, partitioned_text
 from jaxmp.models import lm_loss
-from jaxmp.parallel.reduce import (STATE_KEY, Compression, Reducer, bytes_factor, matrix_view,
+from jaxmp.compression.reduce import (STATE_KEY, Compression, Reducer, bytes_factor, matrix_view,
                                    state_extension)
 from jaxmp.plan import plan_for_config
 from jaxmp.recipes.gpt import gpt_costs, gpt_trainer, lm_batches

@@ -18,11 +18,11 @@ from jaxmp.config import OptimizerConfig
 from jaxmp.errors import ConfigError
 from jaxmp.hlo import collective_stats
 from jaxmp.models import next_token_loss
-from jaxmp.parallel.schedule import Schedule
-from jaxmp.parallel.stages import split_layers
+from jaxmp.pipeline.schedule import Schedule
+from jaxmp.pipeline.stages import split_layers
 from jaxmp.recipes.gpt import gpt_trainer
 from jaxmp.train.optimizer import make_optimizer
-from jaxmp.train.pipeline import PipelineSpec, block_graphdef, make_pipeline_grad_fn, to_stages
+from jaxmp.pipeline.executor import PipelineSpec, block_graphdef, make_pipeline_grad_fn, to_stages
 from jaxmp.train.state import init_state, plan_state
 from jaxmp.train.step import batch_sharding, make_grad_fn
 from helpers import TINY, gpt_fn, lm_batch, one_device

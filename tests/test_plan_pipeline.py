@@ -14,9 +14,9 @@ from jaxmp.config import replace
 from jaxmp.cli import main
 from jaxmp.devices import DeviceProfile, profile_for
 from jaxmp.errors import PlanError
-from jaxmp.parallel.footprint import buffer_slots, chunk_ranges, fold, stack_span
-from jaxmp.parallel.schedule import Schedule
-from jaxmp.parallel.stages import split_layers
+from jaxmp.pipeline.footprint import buffer_slots, chunk_ranges, fold, stack_span
+from jaxmp.pipeline.schedule import Schedule
+from jaxmp.pipeline.stages import split_layers
 from jaxmp.plan import Context, Layout, plan, plan_for_config, predict
 from jaxmp.plan.pipeline import stage_split
 from jaxmp.recipes.gpt import gpt_costs, gpt_trainer
@@ -236,7 +236,8 @@ def test_pipeline_keeps_the_remat_policy():
     from jaxmp.config import OptimizerConfig
     from jaxmp.models import lm_loss, next_token_loss
     from jaxmp.train.optimizer import make_optimizer
-    from jaxmp.train.pipeline import PipelineSpec, block_graphdef, make_pipeline_grad_fn, to_stages
+    from jaxmp.pipeline.executor import (PipelineSpec, block_graphdef, make_pipeline_grad_fn,
+                                         to_stages)
     from jaxmp.train.state import init_state, plan_state
     from jaxmp.train.step import batch_sharding, make_grad_fn
     from helpers import TINY, gpt_fn, lm_batch

@@ -27,11 +27,11 @@ from typing import Any
 
 from jaxmp import sharding
 from jaxmp._util.fmt import fmt_bytes, mesh_str
+from jaxmp.compression.reduce import Compression
 from jaxmp.config import TrainerConfig
 from jaxmp.cost import ModelCost
 from jaxmp.devices import DeviceProfile, profile_from_config
 from jaxmp.errors import PlanError
-from jaxmp.parallel.reduce import Compression
 from jaxmp.plan.context import Context, Prediction
 from jaxmp.plan.search import (Candidate, PipelineOptions, SearchResult, choose, describe,
                                reason_lost, search)

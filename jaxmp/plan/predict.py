@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxmp.compression.reduce import reduced_after_microbatches
 from jaxmp.mesh import AXES
-from jaxmp.parallel.balance import InfeasibleError
-from jaxmp.parallel.reduce import reduced_after_microbatches
+from jaxmp.pipeline.balance import InfeasibleError
 from jaxmp.plan.context import (STEP_STATE_BYTES, Context, Layout, Prediction, _Shard,
                                 overlapped)
 from jaxmp.plan.pipeline import predict_pipeline

@@ -30,7 +30,7 @@ from jaxmp.models import GPT, GPTConfig, lm_loss, next_token_loss
 from jaxmp.plan import Plan, plan_for_config
 from jaxmp.recipes.gpt_config import Config, ModelConfig
 from jaxmp.train import Trainer
-from jaxmp.train.pipeline import PipelineSpec
+from jaxmp.pipeline.executor import PipelineSpec
 from jaxmp.train.planning import CostSource, plan_model
 
 

@@ -23,18 +23,18 @@ from jaxmp._util.arrays import tree_bytes
 from jaxmp._util.fmt import fmt_bytes, mesh_str
 from jaxmp._util.io import atomic_write, make_dir
 from jaxmp._util.log import say
+from jaxmp.compression.reduce import without_data
 from jaxmp.config import TrainerConfig, config_to_toml
 from jaxmp.cost import ModelCost
 from jaxmp.data import to_global
+from jaxmp.pipeline.executor import (PipelineSpec, block_graphdef, make_pipeline_grad_fn,
+                                     stack_length, to_stages)
 from jaxmp.plan import Plan
-from jaxmp.parallel.reduce import without_data
 from jaxmp.train import checks, guard, peers, wire
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
 from jaxmp.train.metrics import (MetricsWriter, Profiler, Progress, batch_tokens,
                                  memory_metrics, total_peak_flops)
 from jaxmp.train.optimizer import make_optimizer, make_schedule
-from jaxmp.train.pipeline import (PipelineSpec, block_graphdef, make_pipeline_grad_fn,
-                                  stack_length, to_stages)
 from jaxmp.train.planning import CostSource, mesh_for, plan_model, plan_stages
 from jaxmp.train.preempt import Preemption
 from jaxmp.train.state import Extension, TrainState, init_state, plan_state
@@ -58,7 +58,7 @@ class Trainer:
     ShapeDtypeStructs); with neither, an ``auto`` mesh is plain data parallelism.
     ``extensions`` add sharded, checkpointed state beside the model's (see
     :mod:`jaxmp.train.state`). ``pipeline`` says how the model splits into stages (a
-    :class:`~jaxmp.train.pipeline.PipelineSpec`), which ``mesh.stage > 1`` requires.
+    :class:`~jaxmp.pipeline.executor.PipelineSpec`), which ``mesh.stage > 1`` requires.
     ``compute_dtype``: the dtype the model computes in (e.g. the GPT's ``model.compute_dtype``);
     with ``train.gather_dtype = "auto"`` fsdp gathers weights in it (docs/compression.md).
     """

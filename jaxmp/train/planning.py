@@ -20,8 +20,8 @@ from jaxmp.config import TrainerConfig
 from jaxmp.cost import ModelCost, model_costs
 from jaxmp.errors import ConfigError
 from jaxmp.mesh import make_mesh
-from jaxmp.parallel.schedule import Schedule
-from jaxmp.parallel.stages import StageSplit, split_layers
+from jaxmp.pipeline.schedule import Schedule
+from jaxmp.pipeline.stages import StageSplit, split_layers
 from jaxmp.plan import Plan, plan_for_config
 
 

@@ -25,9 +25,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmp import sharding
+from jaxmp.compression.gather import WeightGather
+from jaxmp.compression.reduce import Reducer, per_replica, without_data
 from jaxmp.loss import LossFn, call_loss, split_loss
-from jaxmp.parallel.gather import WeightGather
-from jaxmp.parallel.reduce import Reducer, per_replica, without_data
 from jaxmp.train.guard import NonFiniteGuard
 from jaxmp.train.pinning import pin_batch, pinned_layers
 from jaxmp.train.state import StateLayout, TrainState
@@ -61,7 +61,7 @@ def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
     Microbatches are weighted by ``aux["weight"]`` when the loss provides it (token counts), so
     the accumulated step equals the full-batch step even when masks differ between them
     (``keep_weight``: the total stays in ``aux["weight"]``). ``gather``: fsdp weights are
-    gathered in a narrower dtype (:mod:`jaxmp.parallel.gather`).
+    gathered in a narrower dtype (:mod:`jaxmp.compression.gather`).
     """
     graphdef, mesh = layout.graphdef, layout.mesh
 
@@ -139,9 +139,9 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
     """Return the jitted ``step(state, batch) -> (state, metrics)`` with donated state.
 
     ``grad_fn`` replaces the plain gradient (e.g. the pipeline executor's, same contract; built
-    with :func:`~jaxmp.parallel.reduce.without_data` rules when there is a ``reducer``).
+    with :func:`~jaxmp.compression.reduce.without_data` rules when there is a ``reducer``).
     ``reducer``: gradients are computed per data replica and reduced over ``data`` once per
-    step by it (:mod:`jaxmp.parallel.reduce`); without one XLA reduces them where they arise.
+    step by it (:mod:`jaxmp.compression.reduce`); without one XLA reduces them where they arise.
     ``guard`` skips non-finite updates (its counters must be in the layout's ``extra``).
     """
     if reducer is None:

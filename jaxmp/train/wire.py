@@ -2,9 +2,10 @@
 
 The Trainer asks here, from its config and mesh, (1) whether the data-axis gradient reduction
 is taken out of XLA's hands — needed to compress it (``train.grad_compression``) and to reduce
-once per step under gradient accumulation and pipeline stages — and with what state (:mod:`jaxmp.parallel.reduce`),
+once per step under gradient accumulation and pipeline stages — and with what state
+(:mod:`jaxmp.compression.reduce`),
 and (2) in which dtype fsdp gathers weights (``train.gather_dtype``,
-:mod:`jaxmp.parallel.gather`). With neither, the step is exactly XLA's plain program.
+:mod:`jaxmp.compression.gather`). With neither, the step is exactly XLA's plain program.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jaxmp.config import TrainerConfig
-from jaxmp.parallel.gather import WeightGather, weight_gather
-from jaxmp.parallel.reduce import (STATE_KEY, Compression, Reducer, reduced_after_microbatches,
+from jaxmp.compression.gather import WeightGather, weight_gather
+from jaxmp.compression.reduce import (STATE_KEY, Compression, Reducer, reduced_after_microbatches,
                                    state_extension)
 
 

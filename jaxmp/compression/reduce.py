@@ -9,7 +9,7 @@ reduction over ``data`` into jaxmp's hands, in two ``jax.shard_map`` s inside th
    replica, gathers its weights and reduce-scatters over fsdp), accumulating microbatches
    locally; each replica's gradient comes out stacked on a leading ``data`` dim.
 2. :meth:`Reducer.__call__` reduces the stack with every axis manual, so each device works on
-   its own shards with explicit collectives over ``data`` (:mod:`jaxmp.parallel.compress`):
+   its own shards with explicit collectives over ``data`` (:mod:`jaxmp.compression.codecs`):
    ``none`` (float32 all-reduce), ``bf16``, ``int8`` (per-block scales) or ``powersgd``.
 
 State the encodings carry between steps lives in ``TrainState.extra["grad_compression"]``
@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import sharding
-from jaxmp.parallel.compress import DATA, padded_length, powersgd, two_phase_sum
+from jaxmp.compression.codecs import DATA, padded_length, powersgd, two_phase_sum
 
 KINDS = ("none", "bf16", "int8", "powersgd")
 STATE_KEY = "grad_compression"

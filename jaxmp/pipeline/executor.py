@@ -5,10 +5,10 @@ jitted train step.
 :class:`PipelineSpec`, from the recipe) under ``jax.shard_map`` over ``stage`` only: the other
 axes (data, fsdp, tensor) stay automatic, so each stage is still sharded by the rules and XLA
 inserts their collectives as usual. Each device runs the tick table of a
-:class:`~jaxmp.parallel.schedule.Schedule`: per tick at most one forward and one backward of a
+:class:`~jaxmp.pipeline.schedule.Schedule`: per tick at most one forward and one backward of a
 (microbatch, chunk), then ``ppermute`` sends activations one device on and cotangents one back.
 
-* Uneven chunks: the stacked block params are stored padded (:mod:`jaxmp.parallel.stages`); a
+* Uneven chunks: the stacked block params are stored padded (:mod:`jaxmp.pipeline.stages`); a
   chunk runs ``lax.cond(i < n_blocks)`` per row, so padding rows are never computed.
 * Backward: a forward keeps the residuals of ``jax.vjp`` in a slot of a per-device buffer (the
   schedule bounds how many are in flight); parameters and the batch are not copied into it —
@@ -33,8 +33,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmp import sharding
 from jaxmp.loss import split_loss
-from jaxmp.parallel.schedule import Schedule
-from jaxmp.parallel.stages import StageSplit
+from jaxmp.pipeline.schedule import Schedule
+from jaxmp.pipeline.stages import StageSplit
 from jaxmp.remat import REMAT_POLICIES, checkpointed
 from jaxmp.sharding.tree import ROWS_KEY
 

@@ -2,7 +2,7 @@
 
 Everything here runs inside ``jax.shard_map`` with every mesh axis manual: each function sees
 this device's shard of the gradients and talks to the other data replicas with explicit
-collectives over the ``data`` axis. :mod:`jaxmp.parallel.reduce` builds the shard_map around
+collectives over the ``data`` axis. :mod:`jaxmp.compression.reduce` builds the shard_map around
 them.
 
 * :func:`two_phase_sum` — an all-reduce as a reduce-scatter then an all-gather, each moving an

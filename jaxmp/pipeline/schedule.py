@@ -1,7 +1,7 @@
 """Pipeline schedules — GPipe, 1F1B, interleaved 1F1B — as tick tables, with their closed forms.
 
 One description serves the planner (ticks, bubble, microbatches in flight) and the executor
-(:mod:`jaxmp.train.pipeline`, which runs :meth:`Schedule.program`), so they cannot drift apart;
+(:mod:`jaxmp.pipeline.executor`, which runs :meth:`Schedule.program`), so they cannot drift apart;
 the tests check the closed forms against the simulated tables.
 
 **The model of time.** jaxmp runs a pipeline inside one SPMD program (``jax.shard_map`` over the

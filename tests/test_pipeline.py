@@ -66,8 +66,8 @@ def test_1f1b_and_interleaved_bound_what_is_in_flight():
 
 
 @pytest.mark.parametrize("args,key", [
-    (("1f1b", 4, 2), "pipeline.microbatches"), (("interleaved", 2, 4, 1), "virtual_stages"),
-    (("interleaved", 4, 6, 2), "pipeline.microbatches"), (("gpipe", 2, 4, 2), "virtual_stages"),
+    (("1f1b", 4, 2), "train.microbatches"), (("interleaved", 2, 4, 1), "virtual_stages"),
+    (("interleaved", 4, 6, 2), "train.microbatches"), (("gpipe", 2, 4, 2), "virtual_stages"),
     (("zigzag", 2, 4), "pipeline.schedule")])
 def test_impossible_schedules_are_bad_input(args, key):
     with pytest.raises(ConfigError, match=key):
@@ -188,11 +188,10 @@ def test_three_steps_and_checkpoints_match_the_plain_run(plain_run, tmp_path):
 
 
 def test_bad_pipeline_settings_are_one_line_errors(tmp_path):
-    bad = {("mesh.stage=2", "pipeline.microbatches=1"): "pipeline.microbatches",
+    bad = {("mesh.stage=2", "train.microbatches=1"): "train.microbatches",
            ("mesh.stage=4", "pipeline.virtual_stages=2", "pipeline.schedule=interleaved",
-            "pipeline.microbatches=4"): "model.layers",
-           ("mesh.stage=2", "pipeline.microbatches=32"): "train.batch_size",
-           ("mesh.stage=2", "train.grad_accum=2"): "train.grad_accum"}
+            "train.microbatches=4"): "model.layers",
+           ("mesh.stage=2", "train.microbatches=32"): "train.batch_size"}
     for extra, key in bad.items():
         config = jaxmp.load_config(None, BASE + list(extra))
         with pytest.raises(ConfigError, match=key) as e:
@@ -206,7 +205,7 @@ def test_1f1b_and_interleaved_use_less_memory_than_gpipe(tmp_path):
     temp = {}
     for kind, extra in (("gpipe", []), ("1f1b", []),
                         ("interleaved", ["pipeline.virtual_stages=2"])):
-        config = jaxmp.load_config(None, BASE + ["mesh.stage=4", "pipeline.microbatches=8",
+        config = jaxmp.load_config(None, BASE + ["mesh.stage=4", "train.microbatches=8",
                                                  "model.layers=8", f"pipeline.schedule={kind}",
                                                  *extra])
         trainer = gpt_trainer(config, tmp_path, with_data=False, devices=jax.devices()[:4])
@@ -219,7 +218,7 @@ def test_gradients_cross_the_data_axis_once_per_step():
     grow with the microbatches (they would, M-fold, if every chunk's backward reduced)."""
     def all_reduce_bytes(m: int) -> float:
         config = jaxmp.load_config(None, BASE + ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=1",
-                                                 "mesh.tensor=1", f"pipeline.microbatches={m}"])
+                                                 "mesh.tensor=1", f"train.microbatches={m}"])
         trainer = gpt_trainer(config, "unused", with_data=False, devices=jax.devices()[:4])
         return collective_stats(trainer.compile()).bytes_by_kind["all-reduce"]
 

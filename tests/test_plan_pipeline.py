@@ -164,7 +164,7 @@ def test_schedule_and_microbatches_are_searched():
     assert {k for k, _, _ in seen} == {"1f1b", "interleaved"}
     assert {v for _, v, _ in seen} >= {1, 2, 3}
     fixed = plan_for_config(_config("mesh.stage=2", "mesh.data=4", "pipeline.schedule=gpipe",
-                                    "pipeline.microbatches=4", base=HEAVY_HEAD), cost, 8,
+                                    "train.microbatches=4", base=HEAVY_HEAD), cost, 8,
                             device_kind="H100", strict=True)
     assert {(c.layout.schedule, c.layout.microbatches) for c in fixed.candidates} == {
         ("gpipe", 4)}
@@ -210,7 +210,7 @@ def test_verify_a_pipeline_plan(capsys):
     exact; peak within 30 % (the CPU program's); collectives reported as compiled."""
     argv = ["plan", "--devices", "8", "--verify", "--json"]
     for s in SMALL + ["mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1",
-                      "pipeline.schedule=1f1b", "pipeline.microbatches=2"]:
+                      "pipeline.schedule=1f1b", "train.microbatches=2"]:
         argv += ["--set", s]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)

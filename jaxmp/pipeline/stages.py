@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxmp.config import BALANCES
 from jaxmp.errors import ConfigError
 from jaxmp.pipeline.balance import InfeasibleError, balance_stages
 
-BALANCES = ("flops", "layers")
 
 
 @dataclass(frozen=True)

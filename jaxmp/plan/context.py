@@ -121,7 +121,7 @@ class Context:
                  rules: Sequence = sharding.DEFAULT_RULES, balance: str = "flops",
                  grad_compression: Compression | None = None):
         self.cost = cost
-        # The data-axis gradient reduction's bytes relative to float32 (train.grad_compression).
+        # The data-axis gradient reduction's bytes relative to float32 (compression.gradients).
         self.grad_compression = grad_compression or Compression()
         self.grad_bytes_factor = bytes_factor(
             self.grad_compression,

@@ -148,7 +148,7 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     comm["tensor"] = m * ch.busiest(k.prefix["tp"], p)
     comm["fsdp"] = m * ch.busiest(k.prefix["fsdp"], p)
     if d > 1:  # once per step, after the schedule (jaxmp.compression.reduce), encoded per
-        # train.grad_compression: the device's chunks of the stack and the shared params
+        # compression.gradients: the device's chunks of the stack and the shared params
         comm["data"] = ctx.grad_bytes_factor * 2 * (d - 1) / d * (
             ch.busiest_blocks * blk["local"] + k.shared)
     comm["stage"] = schedule.n_ticks * 2 * k.boundary + 2 * (p - 1) / p * k.shared

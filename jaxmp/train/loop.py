@@ -35,7 +35,8 @@ from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
 from jaxmp.train.metrics import (MetricsWriter, Profiler, Progress, batch_tokens,
                                  memory_metrics, total_peak_flops)
 from jaxmp.train.optimizer import make_optimizer, make_schedule
-from jaxmp.train.planning import CostSource, mesh_for, plan_model, plan_stages
+from jaxmp.train.planning import (CostSource, accumulation, mesh_for, plan_model,
+                                  plan_stages)
 from jaxmp.train.preempt import Preemption
 from jaxmp.train.state import Extension, TrainState, init_state, plan_state
 from jaxmp.train.step import LossFn, batch_spec, make_eval_step, make_train_step
@@ -60,7 +61,7 @@ class Trainer:
     :mod:`jaxmp.train.state`). ``pipeline`` says how the model splits into stages (a
     :class:`~jaxmp.pipeline.executor.PipelineSpec`), which ``mesh.stage > 1`` requires.
     ``compute_dtype``: the dtype the model computes in (e.g. the GPT's ``model.compute_dtype``);
-    with ``train.gather_dtype = "auto"`` fsdp gathers weights in it (docs/compression.md).
+    with ``compression.weights = "auto"`` fsdp gathers weights in it (docs/compression.md).
     """
 
     def __init__(self, config: TrainerConfig, model_fn: Callable, loss_fn: LossFn,
@@ -89,8 +90,9 @@ class Trainer:
         self.plan = plan if plan is not None else plan_model(
             config, len(devices), costs, self.rules, pipeline=pipeline is not None)
         self.mesh = mesh_for(config, devices, self.plan)
+        self.accumulation = accumulation(config, self.mesh)
         checks.check_batch(self.mesh, self.rules, config.train.batch_size,
-                           config.train.grad_accum)  # refuse a batch the mesh cannot split
+                           self.accumulation)  # refuse a batch the mesh cannot split
         self.extensions = {**wire.extensions(config, self.mesh, path_rules), **self.extensions}
         self.gather = wire.gather(config, self.mesh, self.rules, compute_dtype)
         self.is_main = jax.process_index() == 0
@@ -118,13 +120,13 @@ class Trainer:
 
         ``batch``: a global batch (arrays or ShapeDtypeStructs); default ``example_batch``.
         ``jaxmp plan --verify`` and ``jaxmp bench`` measure this same executable. ``warmup``:
-        the program of PowerSGD's uncompressed first steps (``train.powersgd_start``).
+        the program of PowerSGD's uncompressed first steps (``compression.powersgd_start``).
         """
         batch = self.example_batch if batch is None else batch
         if batch is None:
             raise ValueError("Trainer.compile needs a batch (or example_batch at construction)")
         step = make_train_step(self.layout, self.loss_fn, self.tx, self.lr_schedule, batch,
-                               self.config.train.grad_accum, self.rules, self.config.train.seed,
+                               self.accumulation, self.rules, self.config.train.seed,
                                grad_fn=self.grad_fn, gather=self.gather,
                                reducer=wire.reducer(self.config, self.mesh, self.layout,
                                                     self.path_rules, warmup),

@@ -35,6 +35,8 @@ class ModelConfig(Section):
     tie_embeddings: bool = True
     scan_layers: bool = True
     remat: Literal["auto", "none", "save_dots", "full"] = "none"  # "auto": the plan's
+    # "auto": cuDNN's flash attention where it runs (jaxmp.models.attention), else XLA's
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     norm_eps: float = bounded(1e-5, gt=0)

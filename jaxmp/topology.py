@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import jax
 from jax.experimental import topologies
 
 from jaxmp._util.env import cuda_plugin_installed
@@ -105,3 +106,11 @@ def memory_limit(topology: GpuTopology, usable_fraction: float) -> float:
     (``XLA_PYTHON_CLIENT_MEM_FRACTION`` = ``device.usable_fraction``, set by ``jaxmp train``)
     of the memory the driver reports. A compiled program fits if its peak is within it."""
     return topology.target.memory_bytes * usable_fraction
+
+
+def without_persistent_cache() -> None:
+    """Turn JAX's persistent compilation cache off for this process (before its first
+    compile: JAX decides once). A deviceless executable can be written to the cache but not
+    read back (there is no client to load it into): every later run would warn and compile
+    again, and the entries only take disk space."""
+    jax.config.update("jax_enable_compilation_cache", False)

@@ -10,8 +10,8 @@
 
 from jaxmp.hlo.collectives import KINDS, CollectiveOp, CollectiveStats, collective_stats
 from jaxmp.hlo.module import shape_bytes
-from jaxmp.hlo.overlap import AsyncCollective, OverlapStats, collective_overlap
+from jaxmp.hlo.overlap import OverlapStats, ScheduledCollective, collective_overlap
 from jaxmp.hlo.partitioned import partitioned_text
 
-__all__ = ["KINDS", "AsyncCollective", "CollectiveOp", "CollectiveStats", "OverlapStats",
+__all__ = ["KINDS", "CollectiveOp", "CollectiveStats", "OverlapStats", "ScheduledCollective",
            "collective_overlap", "collective_stats", "partitioned_text", "shape_bytes"]

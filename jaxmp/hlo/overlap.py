@@ -62,8 +62,8 @@ def _has_matmul(mod: HloModule, ins: Instr, memo: dict[str, bool]) -> bool:
 
 
 @dataclass
-class AsyncCollective:
-    """One ``*-start`` of a collective and what the schedule put before its ``*-done``."""
+class ScheduledCollective:
+    """One collective (its ``*-start`` if async) and what the schedule put before its done."""
 
     kind: str
     name: str
@@ -72,10 +72,11 @@ class AsyncCollective:
     compute_between: int  # compute instructions scheduled between start and done
     matmuls_between: int  # of those, the ones that run a matmul (see the module docstring)
     pipelined: bool = False  # its done runs in the next loop iteration
+    synchronous: bool = False  # no start / done pair: the device waits for it
 
     @property
     def overlapped(self) -> bool:
-        return self.pipelined or self.matmuls_between > 0
+        return not self.synchronous and (self.pipelined or self.matmuls_between > 0)
 
 
 @dataclass
@@ -83,28 +84,27 @@ class OverlapStats:
     """Per collective kind: bytes per device per step, and async pairs overlapped / exposed."""
 
     bytes_by_kind: dict[str, float] = field(default_factory=dict)
-    asyncs: list[AsyncCollective] = field(default_factory=list)
-    sync_by_kind: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
+    collectives: list[ScheduledCollective] = field(default_factory=list)
 
     def by_kind(self) -> dict[str, dict[str, float]]:
         """``{kind: {"bytes", "async", "overlapped", "exposed", "exposed_beside_compute",
         "sync"}}`` for the kinds present; counts are instructions, bytes per step."""
         out = {}
         for k in KINDS:
-            mine = [a for a in self.asyncs if a.kind == k]
+            mine = [a for a in self.collectives if a.kind == k and not a.synchronous]
             exposed = [a for a in mine if not a.overlapped]
             row = {"bytes": float(self.bytes_by_kind.get(k, 0.0)), "async": len(mine),
                    "overlapped": len(mine) - len(exposed), "exposed": len(exposed),
                    "exposed_beside_compute": sum(a.compute_between > 0 for a in exposed),
-                   "sync": self.sync_by_kind[k]}
+                   "sync": sum(a.kind == k and a.synchronous for a in self.collectives)}
             if row["bytes"] or row["async"] or row["sync"]:
                 out[k] = row
         return out
 
     @property
-    def loop_all_gathers(self) -> list[AsyncCollective]:
-        """The all-gathers inside a loop body: fsdp's per-layer weight gathers."""
-        return [a for a in self.asyncs if a.kind == "all-gather" and a.in_loop]
+    def loop_all_gathers(self) -> list[ScheduledCollective]:
+        """The all-gathers inside a loop body (async or not): fsdp's per-layer weight gathers."""
+        return [a for a in self.collectives if a.kind == "all-gather" and a.in_loop]
 
     @property
     def exposed_loop_all_gathers(self) -> int:
@@ -154,7 +154,8 @@ def collective_overlap(compiled_or_text: Any, num_devices: int | None = None) ->
         for i, ins in enumerate(order):
             op = ins.opcode
             if op in KINDS:
-                stats.sync_by_kind[op] += 1
+                stats.collectives.append(ScheduledCollective(op, ins.name, comp, comp in loops,
+                                                             0, 0, synchronous=True))
                 continue
             if not (op.endswith("-start") and op[:-len("-start")] in KINDS):
                 continue
@@ -163,7 +164,7 @@ def collective_overlap(compiled_or_text: Any, num_devices: int | None = None) ->
                          and order[j].operands[0][0] == ins.name), None)
             between = [] if done is None else [x for x in order[i + 1:done] if _is_compute(x)]
             matmuls = sum(_has_matmul(mod, x, memo) for x in between)
-            stats.asyncs.append(AsyncCollective(op[:-len("-start")], ins.name, comp,
-                                                comp in loops, len(between), matmuls,
-                                                done is None))
+            stats.collectives.append(ScheduledCollective(op[:-len("-start")], ins.name, comp,
+                                                         comp in loops, len(between), matmuls,
+                                                         done is None))
     return stats

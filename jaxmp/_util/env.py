@@ -109,13 +109,25 @@ def settle_platform() -> str | None:
     would print a ``cuInit`` traceback at start-up and then fall back to the CPU anyway. With
     a usable GPU, or without the plugin, JAX chooses as usual (CUDA first when present).
     """
+    global _PLATFORM_NOTE
     if backend_started():
         return None
     cpu, note = platform_decision(os.environ.get("JAX_PLATFORMS", ""), cuda_plugin_installed,
                                   gpu_usable)
     if cpu:
         use_cpu()
+    _PLATFORM_NOTE = note
     return note
+
+
+_PLATFORM_NOTE: str | None = None
+
+
+def platform_note() -> str | None:
+    """Why :func:`settle_platform` chose the CPU in this process (None: it did not), for a
+    run's start-up line. Printed there rather than at once, so that bad input found before
+    the run starts stays one line."""
+    return _PLATFORM_NOTE
 
 
 def platform_decision(user_choice: str, plugin_installed: Callable[[], bool],

@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed its one-line usage error
         return int(e.code or 0) and EXIT_BAD_INPUT
-    args.platform_note = env.settle_platform()  # CPU when the CUDA plugin has no GPU to use
+    env.settle_platform()  # CPU when the CUDA plugin has no GPU to use (env.platform_note says)
     try:
         return args.func(args)
     except BrokenPipeError:  # output piped into `head` and closed early: not a failure

@@ -91,7 +91,6 @@ def gpu_memory_fraction(config: Any) -> float:
 def run(args: argparse.Namespace) -> int:
     from jaxmp._util.env import (add_xla_flags, limit_malloc_arenas, may_use_gpu,
                                  set_gpu_memory_fraction)
-    from jaxmp._util.log import say
     from jaxmp.recipes.gpt_config import load_config
 
     config = load_config(args.config, overrides=args.set or [])
@@ -105,12 +104,9 @@ def run(args: argparse.Namespace) -> int:
     add_xla_flags(config.xla.flags)
     _init_distributed(args)
     apply_precision(config)
-    if getattr(args, "platform_note", None):
-        say(args.platform_note)
-    from jaxmp.recipes.gpt import attention_choice, gpt_trainer
+    from jaxmp.recipes.gpt import gpt_trainer
 
     trainer = gpt_trainer(config, args.run_dir)
-    say(f"jaxmp: {attention_choice(config, list(trainer.mesh.devices.flat))}")
     final = trainer.fit()
     if trainer.is_main and final:
         extra = f", eval loss {final['eval_loss']:.4f}" if final.get("eval_loss") else ""

@@ -22,11 +22,13 @@ AxisSize = int | Literal["auto"]
 # (e.g. ``jaxmp.pipeline.schedule.KINDS = SCHEDULES``), so a config value and the code that
 # runs it cannot disagree.
 RematPolicy = Literal["none", "save_dots", "full"]
+AttentionKind = Literal["xla", "cudnn"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Balance = Literal["flops", "layers"]
 GradCompression = Literal["none", "bfloat16", "int8", "powersgd"]
 WeightGather = Literal["auto", "param", "bfloat16", "int8"]
 REMAT_POLICY_NAMES: tuple[str, ...] = get_args(RematPolicy)
+ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 BALANCES: tuple[str, ...] = get_args(Balance)
 GRAD_COMPRESSIONS: tuple[str, ...] = get_args(GradCompression)

@@ -236,8 +236,8 @@ def test_pipeline_keeps_the_remat_policy():
     from jaxmp.config import OptimizerConfig
     from jaxmp.models import lm_loss, next_token_loss
     from jaxmp.train.optimizer import make_optimizer
-    from jaxmp.pipeline.executor import (PipelineSpec, block_graphdef, make_pipeline_grad_fn,
-                                         to_stages)
+    from jaxmp.pipeline.chunk import PipelineSpec, to_stages
+    from jaxmp.pipeline.executor import PipelineExecutor
     from jaxmp.train.state import init_state, plan_state
     from jaxmp.train.step import batch_sharding, make_grad_fn
     from helpers import TINY, gpt_fn, lm_batch
@@ -257,9 +257,8 @@ def test_pipeline_keeps_the_remat_policy():
         layout = plan_state(gpt_fn(dataclasses.replace(cfg, remat=remat)), tx, mesh,
                             transform=lambda p: to_stages(p, spec, split))
         state = init_state(layout, gpt_fn(cfg), tx, 0)
-        bg = block_graphdef(sharding.abstract(lambda: gpt_fn(cfg)(nnx.Rngs(0))), spec)
-        grad_fn = make_pipeline_grad_fn(layout.graphdef, bg, mesh, spec,
-                                        Schedule("1f1b", 2, 4), split, sharding.DEFAULT_RULES)
+        grad_fn = PipelineExecutor(layout.graphdef, mesh, spec, Schedule("1f1b", 2, 4),
+                                   split).grad_fn(sharding.DEFAULT_RULES)
         gbatch = jax.device_put(batch, batch_sharding(layout, sharding.DEFAULT_RULES, batch))
         jaxpr = jax.make_jaxpr(grad_fn)(state.params, state.rest, gbatch)
         stash[remat] = max(sum(v.aval.size * v.aval.dtype.itemsize for v in e.invars)

@@ -16,8 +16,9 @@ from jaxmp.config.sections import (ATTENTION_KINDS, BALANCES, GRAD_COMPRESSIONS,
                                    OptimizerConfig, PipelineConfig, TrainConfig, TrainerConfig,
                                    XlaConfig, section_types)
 
-__all__ = ["ATTENTION_KINDS", "BALANCES", "GRAD_COMPRESSIONS", "MESH_AXES", "REMAT_POLICY_NAMES", "RENAMED",
-           "SCHEDULES", "WEIGHT_GATHERS", "CheckpointConfig", "CompressionConfig", "ConfigError",
-           "DeviceConfig", "LoggingConfig", "MeshConfig", "OptimizerConfig", "PipelineConfig",
-           "Section", "TrainConfig", "TrainerConfig", "XlaConfig", "bounded", "config_to_dict",
-           "config_to_toml", "load", "parse_override", "replace", "require", "section_types"]
+__all__ = ["ATTENTION_KINDS", "BALANCES", "GRAD_COMPRESSIONS", "MESH_AXES", "REMAT_POLICY_NAMES",
+           "RENAMED", "SCHEDULES", "WEIGHT_GATHERS", "CheckpointConfig", "CompressionConfig",
+           "ConfigError", "DeviceConfig", "LoggingConfig", "MeshConfig", "OptimizerConfig",
+           "PipelineConfig", "Section", "TrainConfig", "TrainerConfig", "XlaConfig", "bounded",
+           "config_to_dict", "config_to_toml", "load", "parse_override", "replace", "require",
+           "section_types"]

@@ -28,10 +28,10 @@ from jaxmp.data.meta import META, RUN_META, TOKENIZER
 from jaxmp.errors import ConfigError
 from jaxmp.models import GPT, GPTConfig, lm_loss, next_token_loss
 from jaxmp.models.attention import AttentionChoice, choose_attention, device_platform
+from jaxmp.pipeline.chunk import PipelineSpec
 from jaxmp.plan import Plan, plan_for_config
 from jaxmp.recipes.gpt_config import Config, ModelConfig
 from jaxmp.train import Trainer
-from jaxmp.pipeline.executor import PipelineSpec
 from jaxmp.train.planning import CostSource, plan_model
 
 

@@ -27,8 +27,8 @@ from jaxmp.compression.reduce import without_data
 from jaxmp.config import TrainerConfig, config_to_toml
 from jaxmp.cost import ModelCost
 from jaxmp.data import to_global
-from jaxmp.pipeline.executor import (PipelineSpec, block_graphdef, make_pipeline_grad_fn,
-                                     stack_length, to_stages)
+from jaxmp.pipeline.chunk import PipelineSpec, stack_length, to_stages
+from jaxmp.pipeline.executor import PipelineExecutor
 from jaxmp.plan import Plan
 from jaxmp.train import checks, guard, peers, wire
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
@@ -59,7 +59,7 @@ class Trainer:
     ShapeDtypeStructs); with neither, an ``auto`` mesh is plain data parallelism.
     ``extensions`` add sharded, checkpointed state beside the model's (see
     :mod:`jaxmp.train.state`). ``pipeline`` says how the model splits into stages (a
-    :class:`~jaxmp.pipeline.executor.PipelineSpec`), which ``mesh.stage > 1`` requires.
+    :class:`~jaxmp.pipeline.chunk.PipelineSpec`), which ``mesh.stage > 1`` requires.
     ``compute_dtype``: the dtype the model computes in (e.g. the GPT's ``model.compute_dtype``);
     with ``compression.weights = "auto"`` fsdp gathers weights in it (docs/compression.md).
     """
@@ -106,9 +106,9 @@ class Trainer:
         self.layout = plan_state(model_fn, self.tx, self.mesh, self.rules, path_rules,
                                  self.extensions, transform)
         checks.warn_idle_axes(self.layout, self.rules, path_rules, say)
-        self.grad_fn = None if self.stages is None else make_pipeline_grad_fn(
-            self.layout.graphdef, block_graphdef(abstract, pipeline), self.mesh, pipeline,
-            self.stages.schedule, self.stages.split,
+        self.executor = None if self.stages is None else PipelineExecutor(
+            self.layout.graphdef, self.mesh, pipeline, self.stages.schedule, self.stages.split)
+        self.grad_fn = None if self.executor is None else self.executor.grad_fn(
             without_data(self.rules) if wire.uses_reducer(config, self.mesh) else self.rules)
         self.state: TrainState | None = None
         self.history: list[dict] = []
@@ -185,9 +185,10 @@ class Trainer:
         step_fn = self.compile(batch)  # the same executable runs the steps and reports its cost
         warm = wire.warmup_steps(cfg, self.mesh)  # PowerSGD's uncompressed first steps
         warm_fn = self.compile(batch, warmup=True) if start_step < warm else None
-        eval_fn = make_eval_step(self.layout, self.loss_fn, batch, self.rules, t.seed,
-                                 grad_fn=self.grad_fn).lower(
-            self.layout.abstract, batch).compile() \
+        eval_fn = make_eval_step(
+            self.layout, self.loss_fn, batch, self.rules, t.seed,
+            pipeline_loss=None if self.executor is None else self.executor.eval_fn(self.rules)
+        ).lower(self.layout.abstract, batch).compile() \
             if self.eval_data is not None and t.eval_every > 0 else None
         peers.align("compiled")  # several processes: all compiled before any program runs
         tokens = batch_tokens(batch)

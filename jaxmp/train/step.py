@@ -176,14 +176,15 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
 
 def make_eval_step(layout: StateLayout, loss_fn: LossFn, example_batch: dict,
                    rules: Sequence = sharding.DEFAULT_RULES, seed: int = 0,
-                   grad_fn: Callable | None = None) -> Callable:
+                   pipeline_loss: Callable | None = None) -> Callable:
     """Return the jitted ``eval(state, batch) -> loss``: no state change, the model in
-    evaluation mode (``nnx.Module.eval()``: dropout off). With a ``grad_fn`` (a pipeline) the
-    loss is its loss — it also computes gradients, which are dropped."""
+    evaluation mode (``nnx.Module.eval()``: dropout off). ``pipeline_loss(params, rest, batch)
+    -> loss`` replaces the plain forward under pipeline stages (the executor's forward-only
+    :meth:`~jaxmp.pipeline.executor.PipelineExecutor.eval_fn`, in evaluation mode too)."""
 
     def evaluate(state: TrainState, batch: dict) -> jax.Array:
-        if grad_fn is not None:
-            return grad_fn(state.params, state.rest, batch, step_key(seed, 0, _EVAL_STREAM))[0]
+        if pipeline_loss is not None:
+            return pipeline_loss(state.params, state.rest, batch)
         with sharding.activation_sharding(layout.mesh, rules):
             model = nnx.merge(layout.graphdef, state.params, state.rest, copy=True)
             model.eval()

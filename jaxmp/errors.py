@@ -64,3 +64,7 @@ class VerifyError(Failure):
 
 class MissingDependency(Failure):
     """An optional dependency is not installed; the message names the extra that brings it."""
+
+
+class CudaPluginMissing(BadInput):
+    """A GPU program was asked for (a deviceless compile) but JAX's CUDA plugin is missing."""

@@ -10,6 +10,8 @@ from typing import Any
 
 import jax
 
+from jaxmp.config import REMAT_POLICY_NAMES
+
 REMAT_POLICIES: dict[str, Any] = {
     "none": None,  # no jax.checkpoint at all: keep every residual
     # Keep the projections' outputs (matmuls without batch dims); recompute attention scores,
@@ -17,6 +19,7 @@ REMAT_POLICIES: dict[str, Any] = {
     "save_dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole layer
 }
+assert tuple(REMAT_POLICIES) == REMAT_POLICY_NAMES  # the config's names (model.remat)
 
 
 def checkpointed(fn: Any, remat: str, **kwargs: Any) -> Any:

@@ -22,10 +22,10 @@ GPT = ["model.layers=2", "model.d_model=64", "model.heads=8", "model.mlp_dim=256
        "model.vocab_size=256", "model.tie_embeddings=false", "data.seq_len=16",
        "train.batch_size=32", "checkpoint.enabled=false"]
 MESHES = [{"data": 8}, {"data": 4, "fsdp": 2}, {"data": 2, "fsdp": 2, "tensor": 2}]
-KINDS = [("none", []), ("bf16", ["train.grad_compression=bf16"]),
-         ("int8", ["train.grad_compression=int8"]),
-         ("powersgd r4", ["train.grad_compression=powersgd", "train.powersgd_rank=4"]),
-         ("none, grad_accum 4 (one reduction)", ["train.grad_accum=4"])]
+KINDS = [("none", []), ("bf16", ["compression.gradients=bfloat16"]),
+         ("int8", ["compression.gradients=int8"]),
+         ("powersgd r4", ["compression.gradients=powersgd", "compression.powersgd_rank=4"]),
+         ("none, grad_accum 4 (one reduction)", ["train.microbatches=4"])]
 
 
 def trainer(sets):
@@ -64,10 +64,10 @@ print("|---|---:|---:|")
 base = None
 for label, sets in [("float32 model", []),
                     ("bfloat16 model, gather_dtype=param", ["model.compute_dtype=bfloat16",
-                                                            "train.gather_dtype=param"]),
+                                                            "compression.weights=param"]),
                     ("bfloat16 model, gather_dtype=auto (bf16)", ["model.compute_dtype=bfloat16"]),
                     ("bfloat16 model, gather_dtype=int8", ["model.compute_dtype=bfloat16",
-                                                           "train.gather_dtype=int8"])]:
+                                                           "compression.weights=int8"])]:
     t = trainer(mesh_sets({"fsdp": 8}) + sets)
     step = make_train_step(t.layout, t.loss_fn, t.tx, t.lr_schedule, t.example_batch, 1, t.rules,
                            0, gather=t.gather)

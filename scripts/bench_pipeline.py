@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     simulate_devices(STAGES)
     import jaxmp
-    from jaxmp.parallel.schedule import Schedule
-    from jaxmp.parallel.stages import split_layers
+    from jaxmp.pipeline.schedule import Schedule
+    from jaxmp.pipeline.stages import split_layers
     from jaxmp.recipes.gpt import gpt_costs
     from jaxmp.train.planning import stage_costs
 

@@ -23,13 +23,13 @@ from pathlib import Path
 
 VARIANTS = [
     ("none", []),
-    ("bf16", ["train.grad_compression=bf16"]),
-    ("int8 + error feedback", ["train.grad_compression=int8"]),
-    ("int8, no error feedback", ["train.grad_compression=int8", "train.error_feedback=false"]),
-    ("PowerSGD rank 4", ["train.grad_compression=powersgd", "train.powersgd_rank=4"]),
-    ("PowerSGD rank 16", ["train.grad_compression=powersgd", "train.powersgd_rank=16"]),
-    ("PowerSGD rank 4, 100 warm-up steps", ["train.grad_compression=powersgd",
-                                            "train.powersgd_rank=4", "train.powersgd_start=100"]),
+    ("bf16", ["compression.gradients=bfloat16"]),
+    ("int8 + error feedback", ["compression.gradients=int8"]),
+    ("int8, no error feedback", ["compression.gradients=int8", "compression.error_feedback=false"]),
+    ("PowerSGD rank 4", ["compression.gradients=powersgd", "compression.powersgd_rank=4"]),
+    ("PowerSGD rank 16", ["compression.gradients=powersgd", "compression.powersgd_rank=16"]),
+    ("PowerSGD rank 4, 100 warm-up steps", ["compression.gradients=powersgd",
+                                            "compression.powersgd_rank=4", "compression.powersgd_start=100"]),
 ]
 PROFILE = "A100-80GB"  # its inter-host link: 25 GB/s per device
 

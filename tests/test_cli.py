@@ -61,7 +61,7 @@ BAD = [
     (["--set", "trainsteps"], "trainsteps"),
     (["--set", "model.activation=relu6"], "model.activation"),
     (["--set", "model.heads=3"], "heads"),
-    (["--set", "train.batch_size=10", "--set", "train.grad_accum=3"], "grad_accum"),
+    (["--set", "train.batch_size=10", "--set", "train.microbatches=3"], "microbatches"),
     (["--set", "optimizer.lr=-1"], "optimizer.lr"),
     (["--set", "mesh.data=3"], "mesh"),
     (["--set", "data.source=/nonexistent/tokens.bin"], "tokens.bin"),

@@ -23,7 +23,7 @@ from jaxmp.errors import ConfigError
 from jaxmp._util.arrays import tree_bytes
 from jaxmp.hlo import collective_stats, partitioned_text
 from jaxmp.models import lm_loss
-from jaxmp.parallel.reduce import (STATE_KEY, Compression, Reducer, bytes_factor, matrix_view,
+from jaxmp.compression.reduce import (STATE_KEY, Compression, Reducer, bytes_factor, matrix_view,
                                    state_extension)
 from jaxmp.plan import plan_for_config
 from jaxmp.recipes.gpt import gpt_costs, gpt_trainer, lm_batches
@@ -90,17 +90,17 @@ def test_bf16_and_int8_cut_the_data_reduction():
     f32 = _bytes("mesh.data=8")
     params = tree_bytes(_compiled("mesh.data=8")[1].layout.abstract.params)
     assert f32 == pytest.approx(2 * (N - 1) / N * params, rel=0.01)
-    bf16 = _bytes("mesh.data=8", "train.grad_compression=bf16")
-    int8 = _bytes("mesh.data=8", "train.grad_compression=int8")
+    bf16 = _bytes("mesh.data=8", "compression.gradients=bfloat16")
+    int8 = _bytes("mesh.data=8", "compression.gradients=int8")
     assert bf16 <= 0.52 * f32, bf16 / f32
     assert int8 <= 0.30 * f32, int8 / f32
-    kinds = collective_stats(_compiled("mesh.data=8", "train.grad_compression=int8")[0])
+    kinds = collective_stats(_compiled("mesh.data=8", "compression.gradients=int8")[0])
     assert kinds.bytes_by_kind["all-to-all"] > 0 and kinds.bytes_by_kind["all-reduce"] < 100
 
 
 def test_powersgd_sends_its_rank_formula():
     rank = 4
-    sets = ("mesh.data=8", "train.grad_compression=powersgd", f"train.powersgd_rank={rank}")
+    sets = ("mesh.data=8", "compression.gradients=powersgd", f"compression.powersgd_rank={rank}")
     compiled, trainer = _compiled(*sets)
     floats = 0
     for leaf in _leaves(trainer):
@@ -123,7 +123,7 @@ def test_powersgd_sends_its_rank_formula():
 
 def test_gradient_accumulation_reduces_over_data_once_per_step():
     once = collective_stats(_compiled("mesh.data=8")[0])
-    sets = ("mesh.data=8", "train.grad_accum=4", "train.batch_size=32")
+    sets = ("mesh.data=8", "train.microbatches=4", "train.batch_size=32")
     compiled, trainer = _compiled(*sets)
     accum = collective_stats(compiled)
     assert accum.total_bytes <= 1.01 * once.total_bytes
@@ -148,12 +148,12 @@ def test_weight_gathers_move_bf16_under_a_bf16_model():
 
     f32 = gathered()
     assert gathered("model.compute_dtype=bfloat16") <= 0.52 * f32
-    assert gathered("model.compute_dtype=bfloat16", "train.gather_dtype=int8") <= 0.30 * f32
+    assert gathered("model.compute_dtype=bfloat16", "compression.weights=int8") <= 0.30 * f32
 
 
-@pytest.mark.parametrize("sets,tolerance", [((), 0.01), (("train.grad_compression=int8",), 0.03),
-                                            (("train.grad_compression=powersgd",), 0.10),
-                                            (("train.grad_accum=4", "train.batch_size=32"), 0.01)])
+@pytest.mark.parametrize("sets,tolerance", [((), 0.01), (("compression.gradients=int8",), 0.03),
+                                            (("compression.gradients=powersgd",), 0.10),
+                                            (("train.microbatches=4", "train.batch_size=32"), 0.01)])
 def test_planner_predicts_the_bytes_the_step_sends(sets, tolerance):
     """The planner's data-axis bytes (once per step, scaled by the compression) against the
     compiled data8 step, whose only collectives are the gradient reduction."""
@@ -207,14 +207,14 @@ def _residuals(layout, extra) -> list[np.ndarray]:
     return [np.asarray(res[leaf.path.replace("/", ".")][...]).sum(0) for leaf in leaves]
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8"])
+@pytest.mark.parametrize("kind", ["bfloat16", "int8"])
 def test_encoded_sums_are_close_to_exact(kind):
     _, layout, state, reduce = _reducer_setup({"data": N}, Compression(kind))
     stacked = _stacked(layout, 0)
     out, _ = reduce(stacked, state.extra)
     for got, want in zip(jax.tree.leaves(out), _sum(stacked)):
         err = np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want)
-        assert err < (4e-3 if kind == "bf16" else 1.5e-2), err
+        assert err < (4e-3 if kind == "bfloat16" else 1.5e-2), err
 
 
 @pytest.mark.parametrize("kind,axes", [("int8", {"data": N}),
@@ -281,7 +281,7 @@ def test_accumulated_per_replica_step_equals_one_device():
 
 # -- the Trainer: state, checkpoints, resume, bad input -------------------------------------
 
-RESUME = TINY_GPT + ["train.steps=4", "checkpoint.every=2", "mesh.data=4", "train.powersgd_start=1"]
+RESUME = TINY_GPT + ["train.steps=4", "checkpoint.every=2", "mesh.data=4", "compression.powersgd_start=1"]
 
 
 def _fit(run_dir, sets, signal_at=None):
@@ -295,7 +295,7 @@ def _fit(run_dir, sets, signal_at=None):
 
 @pytest.mark.parametrize("kind", ["int8", "powersgd"])
 def test_compression_state_is_checkpointed_and_resume_is_bitwise(kind, tmp_path):
-    sets = [f"train.grad_compression={kind}"]
+    sets = [f"compression.gradients={kind}"]
     ref = _fit(tmp_path / "ref", sets)
     state = ref.state.extra[STATE_KEY]
     assert "residual" in state and (kind != "powersgd" or "q" in state)
@@ -315,7 +315,7 @@ def test_compression_state_is_checkpointed_and_resume_is_bitwise(kind, tmp_path)
 
 def test_batch_that_does_not_split_over_replicas_is_bad_input(tmp_path):
     config = jaxmp.load_config(None, TINY_GPT + ["mesh.data=4", "train.batch_size=6",
-                                                 "train.grad_compression=bf16"])
+                                                 "compression.gradients=bfloat16"])
     with pytest.raises(ConfigError, match=r"train.batch_size: 6 does not divide over the 4 batch shards"):
         Trainer(config, lambda rngs: Bigram(256, 32, rngs), lm_loss, None, run_dir=tmp_path,
                 devices=jax.devices()[:4])
@@ -324,11 +324,11 @@ def test_batch_that_does_not_split_over_replicas_is_bad_input(tmp_path):
 def test_compression_composes_with_pipeline_stages():
     """stage2 x data2 x fsdp2: the pipeline's gradients per data replica, int8-reduced; the
     loss of the step is the uncompressed one (the reduction only changes the update)."""
-    sets = ("mesh.data=2", "mesh.stage=2", "mesh.fsdp=2", "pipeline.microbatches=2",
+    sets = ("mesh.data=2", "mesh.stage=2", "mesh.fsdp=2", "train.microbatches=2",
             "optimizer.warmup_steps=1")
     losses = {}
     for kind in ("none", "int8"):
-        trainer = _trainer(sets + (f"train.grad_compression={kind}",))
+        trainer = _trainer(sets + (f"compression.gradients={kind}",))
         batch = {k: jax.device_put(v, NamedSharding(trainer.mesh, P(("data", "fsdp"))))
                  for k, v in lm_batch(batch=16).items()}
         state = init_state(trainer.layout, trainer.model_fn, trainer.tx, 0)

@@ -12,6 +12,7 @@ import pytest
 
 from jaxmp.config import (ConfigError, MeshConfig, OptimizerConfig, TrainConfig, TrainerConfig,
                           config_to_dict, config_to_toml, load, replace)
+from jaxmp.config import io as config_io
 from jaxmp.recipes.gpt_config import CONFIG_DIR, Config, ModelConfig, load_config
 
 SHIPPED = ["tiny", "gpt2-small", "gpt-1b"]
@@ -139,7 +140,7 @@ def test_overrides_apply_after_the_file_in_order():
     ("train.steps=3\nseed = 4", "train.steps"),          # one value, not a TOML document
     ("train.steps=0", "train.steps"),
     ("train.batch_size=0", "train.batch_size"),
-    ("train.grad_accum=5", "train.grad_accum"),           # 32 % 5 != 0
+    ("train.microbatches=5", "train.microbatches"),       # 32 % 5 != 0
     ("train.eval_every=-1", "train.eval_every"),
     ("model.heads=3", "model.heads"),                     # 128 % 3 != 0
     ("model.kv_heads=3", "model.kv_heads"),               # 4 % 3 != 0
@@ -203,7 +204,7 @@ BAD_FILES = {
     "section_not_table": ("train = 3\n", "train"),
     "bad_choice": ('[model]\ncompute_dtype = "float16"\n', "model.compute_dtype"),
     "heads": ("[model]\nd_model = 100\nheads = 8\n", "model.d_model"),
-    "grad_accum": ("[train]\nbatch_size = 10\ngrad_accum = 4\n", "train.batch_size"),
+    "microbatches": ("[train]\nbatch_size = 10\nmicrobatches = 4\n", "train.batch_size"),
     "vocab_vs_stdlib": ("[model]\nvocab_size = 100\n", "model.vocab_size"),
     "vocab_vs_uint16": ('[model]\nvocab_size = 100000\n[data]\nsource = "t.bin"\n',
                         "data.token_dtype"),
@@ -269,8 +270,8 @@ def test_config_to_dict_is_plain_json():
     d = config_to_dict(load_config(None, ["logging.profile_steps=[1, 4]"]))
     assert d["logging"]["profile_steps"] == [1, 4]
     assert list(d) == [  # the trainer's sections, then the GPT recipe's
-        "mesh", "optimizer", "train", "checkpoint", "logging", "xla", "device", "pipeline", "model",
-        "data"]
+        "mesh", "optimizer", "train", "checkpoint", "logging", "xla", "device", "pipeline",
+        "compression", "model", "data"]
     assert json.loads(json.dumps(d)) == d
 
 
@@ -311,7 +312,7 @@ def test_replace_and_direct_construction_are_validated():
     with pytest.raises(ConfigError, match=r"^model\.layers: expected an integer, got '4'$"):
         ModelConfig(layers="4")
     with pytest.raises(ConfigError, match=r"^train\.batch_size: "):
-        Config(train=TrainConfig(batch_size=6, grad_accum=4))
+        Config(train=TrainConfig(batch_size=6, microbatches=4))
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.train.steps = 3  # type: ignore[misc]
     assert TrainConfig(steps=5) == load_config(None, ["train.steps=5"]).train
@@ -328,3 +329,23 @@ def test_model_section_maps_onto_the_gpt_config():
     g = gpt_config(load_config(None, ["model.d_model=96", "model.heads=3",
                                       "model.activation=swiglu", "model.kv_heads=1"]))
     assert (g.d_model, g.heads, g.kv_heads, g.head_dim, g.mlp_dim) == (96, 3, 1, 32, 256)
+
+
+def test_renamed_keys_keep_working_with_one_deprecation_line(capsys, tmp_path: Path):
+    """Outside scripts and old run configs use the keys before the rename (DESIGN.md's public
+    contract): each maps to its new key (``bf16`` to ``bfloat16``) and says so once."""
+    config_io._WARNED.clear()
+    old = load_config(None, ["train.grad_accum=4", "train.grad_compression=bf16",
+                             "train.powersgd_rank=8", "train.gather_dtype=int8"])
+    new = load_config(None, ["train.microbatches=4", "compression.gradients=bfloat16",
+                             "compression.powersgd_rank=8", "compression.weights=int8"])
+    assert old == new
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 4 and "'train.grad_accum' is deprecated: use 'train.microbatches'" in err[0]
+    toml = tmp_path / "old.toml"
+    toml.write_text("[pipeline]\nmicrobatches = 8\n[train]\nerror_feedback = false\n")
+    cfg = load_config(toml)
+    assert cfg.train.microbatches == 8 and cfg.compression.error_feedback is False
+    assert len([x for x in capsys.readouterr().err.splitlines() if x.strip()]) == 2
+    with pytest.raises(ConfigError, match="compression.gradients"):
+        load_config(None, ["compression.gradients=bf16"])  # one spelling under the new key

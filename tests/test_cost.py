@@ -219,3 +219,51 @@ def test_saved_divisor_applies_per_array(mid_cost):
     const, per_row = block.split()
     assert const + per_row * B == pytest.approx(block.bytes)
     assert np.isfinite(per_row) and per_row > 0
+
+
+# ---------------------------------------------------------------- cuDNN flash attention
+
+def test_fused_attention_counts_as_the_attention_it_replaces():
+    """cuDNN's fused attention is one primitive: its FLOPs are those of XLA's attention
+    matmuls (4·B·N·T·S·H forward, twice that backward), GQA included."""
+    b, t, n, kvh, h = 2, 128, 4, 2, 32
+
+    def attend(impl):
+        def f(q, k, v):
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+            return out.astype(jnp.float32).sum()
+        return jax.value_and_grad(f, argnums=(0, 1, 2))
+
+    q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, t, kvh, h), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(attend("cudnn"))(q, kv, kv)
+    kernels = [e for e in jaxpr.jaxpr.eqns if F.is_kernel(e.primitive.name)]
+    assert [F.eqn_counts(e).flops for e in kernels] == [4 * b * n * t * t * h,
+                                                        8 * b * n * t * t * h]
+    xla = F.count_jaxpr(jax.make_jaxpr(attend("xla"))(q, kv, kv)).total.flops
+    cudnn = F.count_jaxpr(jaxpr).total.flops
+    assert cudnn == pytest.approx(xla, rel=0.1)  # XLA's adds its softmax's elementwise work
+
+
+def test_flash_attention_saves_no_scores():
+    """The cost model of a bf16 GPT at seq 512: with cuDNN's attention a block saves q, k, v,
+    the output and a float32 softmax statistic per row, nothing S x S, and its backward
+    working set shrinks with it; FLOPs stay those of the model."""
+    cfg = GPTConfig(vocab_size=256, layers=2, d_model=128, heads=4, kv_heads=2, head_dim=32,
+                    mlp_dim=256, compute_dtype="bfloat16")
+    seq = 512
+
+    def block(attention):
+        cost = model_costs(lambda r: GPT(dataclasses.replace(cfg, attention=attention), rngs=r),
+                           _batch(2, seq), lm_loss, policies=("none",))
+        return next(lay for lay in cost.layers if lay.kind == "block")
+
+    xla, flash = block("xla"), block("cudnn")
+    square = lambda lay: [s for s in lay.saved["none"].shapes if list(s).count(seq) >= 2]  # noqa: E731
+    assert square(xla) and not square(flash)
+    assert (2, 4, seq) in flash.saved["none"].shapes  # the softmax statistics [B, N, T]
+    for what in ("saved", "fused"):
+        assert getattr(flash, what)["none"].bytes < 0.5 * getattr(xla, what)["none"].bytes
+    peak = lambda lay: lay.transient["none"].peak(2)  # noqa: E731
+    assert peak(flash) < 0.5 * peak(xla)
+    assert flash.fwd_flops == pytest.approx(xla.fwd_flops, rel=0.05)

@@ -110,3 +110,18 @@ def test_relative_paths_restore(saved_run, monkeypatch):
     assert params["embed"].shape == (256, 64)
     assert Sampler.load(saved_run.name).step == 5
     assert (saved_run / "checkpoints" / "5").is_dir()  # not set aside as damaged
+
+
+def test_decoding_a_model_trained_with_cudnn_attention(model):
+    """A model built for cuDNN's flash attention (a GPU run's) still samples on the CPU:
+    decoding attends over the KV cache with XLA's kernel, so its tokens are those of the same
+    parameters built for XLA."""
+    import dataclasses
+
+    graphdef, _ = nnx.split(GPT(dataclasses.replace(CFG, attention="cudnn"),
+                                rngs=nnx.Rngs(0)))
+    assert "cudnn" in str(graphdef)
+    flash = nnx.merge(graphdef, nnx.state(model))
+    prompt = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, 5)), jnp.int32)
+    np.testing.assert_array_equal(generate(flash, prompt, jax.random.key(0), 12, temperature=0),
+                                  generate(model, prompt, jax.random.key(0), 12, temperature=0))

@@ -19,3 +19,71 @@ def test_malloc_arenas_are_capped_unless_the_user_chose():
     chosen = subprocess.run([sys.executable, "-c", code], env={**env, "MALLOC_ARENA_MAX": "4"},
                             capture_output=True, text=True, check=True).stdout.strip()
     assert (capped, chosen) == ("True", "False")
+
+
+# ------------------------------------------------------------------ the platform, before JAX
+
+from jaxmp._util import env  # noqa: E402 - stdlib only, like the tests above
+
+NO_GPU = (False, "the CUDA driver sees no GPU")
+
+
+def test_platform_rule():
+    """CPU when the CUDA plugin has no GPU to use (with one line saying why); JAX's own choice
+    with a usable GPU or without the plugin; a JAX_PLATFORMS the user set always wins (and
+    then nothing is probed)."""
+    never = lambda: pytest.fail("probed although the answer was already known")  # noqa: E731
+    assert env.platform_decision("", lambda: True, lambda: NO_GPU) == (
+        True, "jaxmp: running on the CPU: JAX's CUDA plugin is installed but the CUDA driver "
+              "sees no GPU")
+    assert env.platform_decision("", lambda: True, lambda: (True, "8 GPU(s)")) == (False, None)
+    assert env.platform_decision("", lambda: False, never) == (False, None)
+    assert env.platform_decision("cuda", never, never) == (False, None)
+
+
+def test_gpu_probe_answers_without_jax():
+    """The probe asks the driver through ctypes: on this machine (no GPU) it says no, with a
+    reason, and never raises; jax is not imported by it."""
+    code = ("import sys; from jaxmp._util.env import gpu_usable; ok, why = gpu_usable(); "
+            "print(ok, bool(why), 'jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[1:] == ["True", "False"]
+    if out[0] == "True":
+        pytest.skip("this machine has a usable GPU")
+
+
+def test_gpu_memory_fraction_is_the_users_when_set(monkeypatch):
+    monkeypatch.delenv(env.MEM_FRACTION, raising=False)
+    assert env.set_gpu_memory_fraction(0.75) and os.environ[env.MEM_FRACTION] == "0.75"
+    monkeypatch.setenv(env.MEM_FRACTION, "0.5")
+    assert not env.set_gpu_memory_fraction(0.9) and os.environ[env.MEM_FRACTION] == "0.5"
+    monkeypatch.delenv(env.MEM_FRACTION)
+    assert not env.set_gpu_memory_fraction(0.0) and env.MEM_FRACTION not in os.environ
+
+
+def test_train_takes_the_memory_fraction_from_the_device_section():
+    from jaxmp.cli.train import gpu_memory_fraction
+    from jaxmp.recipes.gpt_config import load_config
+
+    assert gpu_memory_fraction(load_config(None, ["device.usable_fraction=0.9"])) == 0.9
+    assert gpu_memory_fraction(load_config(None, ["device.kind=H100"])) == 0.75
+    assert gpu_memory_fraction(load_config()) == 0.75  # kind "auto": the GPU profiles' share
+
+
+@pytest.mark.skipif(not env.cuda_plugin_installed(), reason="JAX's CUDA plugin is not "
+                    "installed (pip install -e \".[cuda]\")")
+def test_cuda_plugin_without_a_gpu_is_quiet():
+    """With the CUDA plugin installed and no GPU, a jaxmp command printed JAX's cuInit
+    traceback before working. Now the CLI runs on the CPU and stderr stays clean (at most one
+    line). JAX_PLATFORMS, which conftest sets, is removed for the child."""
+    if env.gpu_usable()[0]:
+        pytest.skip("this machine has a usable GPU")
+    child = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    r = subprocess.run([sys.executable, "-m", "jaxmp.cli", "plan", "--top", "0",
+                        "--set", "model.layers=1", "--set", "data.seq_len=16"],
+                       env=child, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "cuInit" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 1, r.stderr
+    assert " x CPU (" in r.stdout.splitlines()[0]  # it ran, on the CPU

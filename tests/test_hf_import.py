@@ -262,6 +262,18 @@ def test_init_from_imports_and_fine_tunes_on_a_mesh(hf, tmp_path):
     assert [s.step for s in checkpoint.list_steps(run)] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("sets,message", [
+    (["model.rope_scaling=llama3", "model.rope_high_freq_factor=1.0"],
+     "model.rope_high_freq_factor: must be > model.rope_low_freq_factor=1.0"),
+    (["model.head_dim=15"], "model.head_dim: must be even"),
+    (["model.rope_scaling=yarn"], "model.rope_scaling: must be one of 'none', 'llama3'"),
+    (["model.rope_theta=0.5"], "model.rope_theta: must be > 1"),
+])
+def test_new_model_keys_are_validated(sets, message):
+    with pytest.raises(jaxmp.errors.ConfigError, match=re.escape(message)):
+        load_config(None, sets)
+
+
 def test_cost_model_and_n_params_count_the_biases():
     from jaxmp.cost import model_costs
     from jaxmp.models import GPT, GPTConfig, lm_loss

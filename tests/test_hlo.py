@@ -229,6 +229,82 @@ def test_call_and_conditional_edges():
     assert [w for w in stats.warnings if "conditional" in w] == ["a: under a conditional, counted as if it ran"]
 
 
+def test_tuple_parts():
+    from jaxmp.hlo.collectives import tuple_parts
+
+    assert tuple_parts("((bf16[8]{0}, f32[2]), bf16[8]{0})") == ["(bf16[8]{0}, f32[2])", "bf16[8]{0}"]
+    assert tuple_parts("(f32[2], /*index=5*/bf16[4,4]{1,0})") == ["f32[2]", "bf16[4,4]{1,0}"]
+    assert tuple_parts("f32[3]{0}") == ["f32[3]{0}"]
+
+
+def test_jax_012_all_reduce_start_returns_operands_and_result():
+    """jax 0.12's async all-reduce is ``((operands), result)``: sized once, not twice, and the
+    mesh-axes replica groups of both versions give the group size."""
+    old = """  %ars = bf16[1024]{0} all-reduce-start(%p), replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b'}, to_apply=%add
+  ROOT %ard = bf16[1024]{0} all-reduce-done(%ars)"""
+    new = """  %ars = ((bf16[1024]{0}), bf16[1024]{0}) all-reduce-start(%p), replica_groups=mesh['data'=2,'fsdp'=4] {'fsdp'}, to_apply=%add
+  ROOT %ard = bf16[1024]{0} all-reduce-done(%ars)"""
+    for body in (old, new):
+        (op,) = collective_stats(_module(body)).ops
+        assert (op.group_size, op.bytes) == (4, 2048)
+
+
+# ---------------------------------------------------------------- overlap in a scheduled program
+
+_SCHEDULED = """
+%gemm (x: f32[1024], y: f32[1024]) -> f32[] {
+  %x = f32[1024]{0} parameter(0)
+  %y = f32[1024]{0} parameter(1)
+  ROOT %d = f32[] dot(%x, %y), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
+
+%scale (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %m = f32[1024]{0} multiply(%x, %x)
+}
+"""
+
+
+def test_overlap_needs_a_matmul_between_start_and_done():
+    """An async pair with a matmul (here a fusion calling a dot) scheduled between start and
+    done is overlapped; with only an elementwise fusion, or nothing, it is exposed; a done
+    that never follows its start (pipelined into the next iteration) is overlapped; a plain
+    collective is synchronous."""
+    from jaxmp.hlo import collective_overlap
+
+    body = """  %ags = (f32[128]{0}, f32[1024]{0}) all-gather-start(%q), replica_groups=[1,8]<=[8], dimensions={0}
+  %f = f32[] fusion(%p, %p), kind=kCustom, calls=%gemm
+  %agd = f32[1024]{0} all-gather-done(%ags)
+  %rss = f32[128]{0} reduce-scatter-start(%p), replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+  %e = f32[1024]{0} fusion(%p), kind=kLoop, calls=%scale
+  %rsd = f32[128]{0} reduce-scatter-done(%rss)
+  %ars = f32[1024]{0} all-reduce-start(%p), replica_groups=[1,8]<=[8], to_apply=%add
+  %ard = f32[1024]{0} all-reduce-done(%ars)
+  %ar = f32[1024]{0} all-reduce(%p), replica_groups=[1,8]<=[8], to_apply=%add
+  ROOT %cps = (f32[256]{0}, f32[256]{0}, u32[], u32[]) collective-permute-start(%q), source_target_pairs={{0,1}}"""
+    rows = collective_overlap(_module(body, extra=_SCHEDULED)).by_kind()
+    assert (rows["all-gather"]["overlapped"], rows["all-gather"]["exposed"]) == (1, 0)
+    assert rows["reduce-scatter"]["exposed"] == rows["reduce-scatter"]["exposed_beside_compute"] == 1
+    assert rows["all-reduce"] == {"bytes": pytest.approx(2 * 2 * 7 / 8 * 4096), "async": 1,
+                                  "overlapped": 0, "exposed": 1, "exposed_beside_compute": 0,
+                                  "sync": 1}
+    assert rows["collective-permute"]["overlapped"] == 1  # its done is in the next iteration
+
+
+def test_overlap_finds_all_gathers_in_a_loop_body():
+    from jaxmp.hlo import collective_overlap
+
+    inner = """%ags0 = (f32[128]{0}, f32[1024]{0}) all-gather-start(%bx0), replica_groups=[1,8]<=[8], dimensions={0}
+  %r0 = f32[1024]{0} all-gather-done(%ags0)"""
+    stats = collective_overlap(_module(_while(0), extra=_loop(0, limit=4, inner=inner)))
+    (ag,) = stats.loop_all_gathers
+    assert ag.in_loop and ag.computation == "body0" and not ag.overlapped
+    assert stats.exposed_loop_all_gathers == 1
+    # 4 trips of S = result minus operand bytes (4608 - 4096 here)
+    assert stats.bytes_by_kind["all-gather"] == pytest.approx(4 * 7 / 8 * 512)
+    assert "all-gathers in a loop body: 1, exposed 1" in stats.summary()
+
+
 # ---------------------------------------------------------------- real programs on 8 CPU devices
 
 @pytest.fixture(scope="module")

@@ -86,3 +86,67 @@ def test_bf16_compute_keeps_float32_params():
     loss, grads = _loss_and_grads(cfg)
     assert np.isfinite(float(loss)) and abs(float(loss) - np.log(256)) < 0.2
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+
+
+# ------------------------------------------------------------------ attention: XLA or cuDNN
+
+@pytest.mark.parametrize("setting, platform, dtype, head_dim, expected", [
+    ("auto", "cuda", "bfloat16", 128, "cudnn"),
+    ("auto", "cuda", "float16", 64, "cudnn"),
+    ("auto", "cuda", "float32", 128, "xla"),    # cuDNN's flash attention is 16-bit only
+    ("auto", "cuda", "bfloat16", 96 + 4, "xla"),  # not a multiple of 8
+    ("auto", "cuda", "bfloat16", 256, "xla"),   # above the portable limit
+    ("auto", "cpu", "bfloat16", 64, "xla"),
+    ("auto", "rocm", "bfloat16", 64, "xla"),
+    ("xla", "cuda", "bfloat16", 64, "xla"),
+    ("cudnn", "cuda", "bfloat16", 64, "cudnn"),
+])
+def test_attention_choice(setting, platform, dtype, head_dim, expected):
+    from jaxmp.models.attention import choose_attention
+
+    choice = choose_attention(setting, platform, dtype, head_dim)
+    assert choice.implementation == expected
+    assert str(choice).startswith(f"attention {expected} (")
+
+
+def test_cudnn_where_it_cannot_run_is_bad_input():
+    from jaxmp.errors import ConfigError
+    from jaxmp.models.attention import choose_attention
+    from jaxmp.recipes.gpt import gpt_config
+    from jaxmp.recipes.gpt_config import load_config
+
+    with pytest.raises(ConfigError, match=r"model.attention: 'cudnn' cannot run here: no cuDNN "
+                                          r"on the cpu backend"):
+        gpt_config(load_config(None, ["model.attention=cudnn", "model.compute_dtype=bfloat16"]))
+    with pytest.raises(ConfigError, match="model.attention"):
+        choose_attention("flash", "cuda", "bfloat16", 64)
+    with pytest.raises(ConfigError, match="model.attention"):
+        load_config(None, ["model.attention=flash"])
+
+
+def test_device_platform_tells_cuda_from_rocm():
+    from types import SimpleNamespace as Dev
+
+    from jaxmp.models.attention import device_platform
+
+    assert device_platform(Dev(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")) == "cuda"
+    assert device_platform(Dev(platform="gpu", device_kind="AMD Instinct MI300X")) == "rocm"
+    assert device_platform(jax.devices()[0]) == "cpu"
+
+
+def test_recipe_resolves_attention_for_where_the_model_runs():
+    """The recipe asks the devices: `auto` is XLA here, cuDNN for CUDA devices in bf16; the
+    cuDNN model traces on the CPU (the cost model traces it so) with the fused primitives."""
+    from jaxmp.recipes.gpt import gpt_config
+    from jaxmp.recipes.gpt_config import load_config
+
+    cfg = load_config(None, ["model.compute_dtype=bfloat16", "model.vocab_size=256",
+                             "model.layers=1"])
+    assert gpt_config(cfg).attention == "xla"
+    cudnn = gpt_config(cfg, platform="cuda")
+    assert cudnn.attention == "cudnn"
+    assert gpt_config(load_config(None, ["model.vocab_size=256"]), "cuda").attention == "xla"
+    model = GPT(cudnn, rngs=nnx.Rngs(0))
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(lambda t: model(t))(tokens))
+    assert "dot_product_attention_fwd" in jaxpr

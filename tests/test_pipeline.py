@@ -1,12 +1,14 @@
 """Pipeline parallelism (mesh.stage > 1): schedules, FLOP-balanced uneven stages, equivalence
-with the non-pipelined step in float32, memory by schedule, bad input, checkpoints that move
-between pipelined and plain layouts."""
+with the non-pipelined step in float32, forward-only evaluation in eval mode, residuals without
+parameter copies, memory by schedule, bad input, checkpoints that move between pipelined and
+plain layouts."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -17,14 +19,16 @@ from jaxmp.checkpoint.records import to_plain
 from jaxmp.config import OptimizerConfig
 from jaxmp.errors import ConfigError
 from jaxmp.hlo import collective_stats
-from jaxmp.models import next_token_loss
-from jaxmp.parallel.schedule import Schedule
-from jaxmp.parallel.stages import split_layers
+from jaxmp.models import lm_loss, next_token_loss
+from jaxmp.pipeline.chunk import PipelineSpec, to_stages
+from jaxmp.pipeline.executor import PipelineExecutor
+from jaxmp.pipeline.residuals import stash_policy, vjp_without_params, with_params
+from jaxmp.pipeline.schedule import Schedule
+from jaxmp.pipeline.stages import split_layers
 from jaxmp.recipes.gpt import gpt_trainer
 from jaxmp.train.optimizer import make_optimizer
-from jaxmp.train.pipeline import PipelineSpec, block_graphdef, make_pipeline_grad_fn, to_stages
 from jaxmp.train.state import init_state, plan_state
-from jaxmp.train.step import batch_sharding, make_grad_fn
+from jaxmp.train.step import batch_sharding, make_eval_step, make_grad_fn
 from helpers import TINY, gpt_fn, lm_batch, one_device
 
 SPEC = PipelineSpec("blocks", pre=lambda m, b: m.embed_tokens(b["inputs"]),
@@ -66,8 +70,8 @@ def test_1f1b_and_interleaved_bound_what_is_in_flight():
 
 
 @pytest.mark.parametrize("args,key", [
-    (("1f1b", 4, 2), "pipeline.microbatches"), (("interleaved", 2, 4, 1), "virtual_stages"),
-    (("interleaved", 4, 6, 2), "pipeline.microbatches"), (("gpipe", 2, 4, 2), "virtual_stages"),
+    (("1f1b", 4, 2), "train.microbatches"), (("interleaved", 2, 4, 1), "virtual_stages"),
+    (("interleaved", 4, 6, 2), "train.microbatches"), (("gpipe", 2, 4, 2), "virtual_stages"),
     (("zigzag", 2, 4), "pipeline.schedule")])
 def test_impossible_schedules_are_bad_input(args, key):
     with pytest.raises(ConfigError, match=key):
@@ -124,9 +128,8 @@ def test_pipelined_gradients_equal_one_device(case, reference):
     layout = plan_state(gpt_fn(cfg), tx, mesh,
                         transform=lambda params: to_stages(params, SPEC, split))
     state = init_state(layout, gpt_fn(cfg), tx, 0)
-    bg = block_graphdef(sharding.abstract(lambda: gpt_fn(cfg)(nnx.Rngs(0))), SPEC)
-    grad_fn = make_pipeline_grad_fn(layout.graphdef, bg, mesh, SPEC, Schedule(kind, p, m, v),
-                                    split, sharding.DEFAULT_RULES)
+    grad_fn = PipelineExecutor(layout.graphdef, mesh, SPEC, Schedule(kind, p, m, v),
+                               split).grad_fn(sharding.DEFAULT_RULES)
     batch = lm_batch(batch=16)
     gbatch = jax.device_put(batch, batch_sharding(layout, sharding.DEFAULT_RULES, batch))
     loss, grads, _, _ = jax.jit(grad_fn)(state.params, state.rest, gbatch)
@@ -141,6 +144,127 @@ def test_pipelined_gradients_equal_one_device(case, reference):
                         strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5,
                                        atol=1e-6 * np.abs(np.asarray(r)).max())
+
+
+# ---------------------------------------------------------------- evaluation, forward only
+
+def _staged(model_fn, spec, split, mesh, tx):
+    layout = plan_state(model_fn, tx, mesh, transform=lambda params: to_stages(params, spec, split))
+    return layout, init_state(layout, model_fn, tx, 0)
+
+
+def _eval_loss(layout, state, loss_fn, batch, pipeline_loss=None) -> float:
+    step = make_eval_step(layout, loss_fn, batch, pipeline_loss=pipeline_loss)
+    return float(step(state, jax.device_put(batch, batch_sharding(layout, sharding.DEFAULT_RULES,
+                                                                 batch))))
+
+
+EVAL_CASES = {  # schedule, stages, microbatches, virtual, other axes
+    "gpipe-4-fewer-microbatches": ("gpipe", 4, 2, 1, {}),
+    "1f1b-2-data2": ("1f1b", 2, 4, 1, {"data": 2}),
+    "interleaved-2x3": ("interleaved", 2, 4, 3, {}),  # the ring from the last device back
+}
+
+
+@pytest.mark.parametrize("case", list(EVAL_CASES))
+def test_pipelined_evaluation_equals_one_device(case, reference):
+    """The forward-only fill-drain gives the plain evaluation step's loss, chunks uneven."""
+    cfg, tx = reference[:2]
+    kind, p, m, v, axes = EVAL_CASES[case]
+    split = split_layers([0.0] + [1.0] * cfg.layers + [2.5], p, v)
+    batch = lm_batch(batch=16)
+    plain = plan_state(gpt_fn(cfg), tx, jaxmp.make_mesh({}, one_device()))
+    expected = _eval_loss(plain, init_state(plain, gpt_fn(cfg), tx, 0), lm_loss, batch)
+    n = p * int(np.prod(list(axes.values()) or [1]))
+    mesh = jaxmp.make_mesh({"stage": p, **axes}, jax.devices()[:n])
+    layout, state = _staged(gpt_fn(cfg), SPEC, split, mesh, tx)
+    executor = PipelineExecutor(layout.graphdef, mesh, SPEC, Schedule(kind, p, m, v), split)
+    got = _eval_loss(layout, state, lm_loss, batch, executor.eval_fn(sharding.DEFAULT_RULES))
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+class _DropoutBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(32, 32, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5)  # draws from the rngs it is called with
+
+    def __call__(self, x, rngs=None):
+        return x + self.dropout(jnp.tanh(self.linear(x)), rngs=rngs)
+
+
+class _DropoutLM(nnx.Module):
+    """An LM written the ordinary Flax way, with dropout after the embedding and in each block."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(256, 32, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+        @nnx.split_rngs(splits=4)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs: nnx.Rngs) -> _DropoutBlock:
+            return _DropoutBlock(rngs)
+
+        self.blocks = blocks(rngs)
+        self.head = nnx.Linear(32, 256, rngs=rngs)
+
+    def __call__(self, tokens, rngs=None):
+        x = self.dropout(self.embed(tokens))
+        graphdef, stacked = nnx.split(self.blocks)
+        for i in range(4):
+            x = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))(x, rngs=rngs)
+        return self.head(x)
+
+
+def _dropout_loss(model, batch, rngs):
+    return next_token_loss(model(batch["inputs"], rngs), batch)
+
+
+def test_pipelined_evaluation_runs_in_eval_mode():
+    """A model with dropout: the pipelined evaluation equals the plain one (dropout off), while
+    a training-mode forward gives another loss — and the blocks' dropouts, which have no rngs
+    of their own under stages, would fail outside eval mode."""
+    spec = PipelineSpec("blocks", pre=lambda m, b: m.dropout(m.embed(b["inputs"])),
+                        post=lambda m, x, b: next_token_loss(m.head(x), b))
+    tx = make_optimizer(OPT, 10)
+    batch = lm_batch(batch=16)
+    plain = plan_state(_DropoutLM, tx, jaxmp.make_mesh({}, one_device()))
+    plain_state = init_state(plain, _DropoutLM, tx, 0)
+    expected = _eval_loss(plain, plain_state, _dropout_loss, batch)
+    training = float(jax.jit(make_grad_fn(plain, _dropout_loss))(
+        plain_state.params, plain_state.rest, batch, jax.random.key(1))[0])
+    assert abs(training - expected) > 1e-3 * abs(expected)
+    split = split_layers([0.0, 1.0, 1.0, 1.0, 1.0, 1.0], 2, 2)
+    mesh = jaxmp.make_mesh({"stage": 2}, jax.devices()[:2])
+    layout, state = _staged(_DropoutLM, spec, split, mesh, tx)
+    executor = PipelineExecutor(layout.graphdef, mesh, spec, Schedule("interleaved", 2, 4, 2),
+                                split)
+    got = _eval_loss(layout, state, _dropout_loss, batch, executor.eval_fn(sharding.DEFAULT_RULES))
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_residuals_hold_no_parameters():
+    """A stashed vjp's leaves are intermediates (and the input), never the parameters; with the
+    live parameters put back it gives jax.vjp's gradients."""
+    params = {"w": jnp.arange(35.0).reshape(5, 7) / 35, "v": jnp.ones((7, 3))}
+    x = jnp.ones((2, 5))
+
+    def f(params, x):
+        return jnp.tanh(x @ params["w"]) @ params["v"]
+
+    def vjps(params, x):
+        fn = jax.checkpoint(f, policy=stash_policy("none"))
+        _, plain = jax.vjp(fn, params, x)
+        _, stashed = vjp_without_params(fn, params, x)
+        return plain, stashed
+
+    plain, stashed = jax.jit(vjps)(params, x)
+    param_shapes = {(5, 7), (7, 3)}
+    assert param_shapes <= {a.shape for a in jax.tree.leaves(plain)}  # jax.vjp keeps them
+    assert not param_shapes & {a.shape for a in jax.tree.leaves(stashed)}
+    ct = jnp.ones((2, 3))
+    for a, b in zip(jax.tree.leaves(plain(ct)), jax.tree.leaves(with_params(stashed, params)(ct)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # ---------------------------------------------------------------- through the Trainer
@@ -187,15 +311,33 @@ def test_three_steps_and_checkpoints_match_the_plain_run(plain_run, tmp_path):
                                rtol=1e-5)
 
 
+def test_the_trainer_evaluates_a_pipelined_run_forward_only(tmp_path):
+    """fit() evaluates under stages with the executor's forward-only path: after one step the
+    pipelined run's eval_loss is the plain run's."""
+    batch = lm_batch(batch=8, seq=16)
+
+    def eval_loss(run_dir, *extra, devices=None):
+        config = jaxmp.load_config(None, BASE + [
+            "model.layers=2", "train.batch_size=8", "data.seq_len=16", "train.steps=1",
+            "train.eval_every=1", "train.eval_batches=1", "checkpoint.enabled=false", *extra])
+        trainer = gpt_trainer(config, run_dir, devices=devices, with_data=False)
+        trainer.data, trainer.eval_data = itertools.repeat(batch), lambda: [batch]
+        return trainer.fit()["eval_loss"]
+
+    plain = eval_loss(tmp_path / "plain", "mesh.stage=1", devices=one_device())
+    piped = eval_loss(tmp_path / "piped", "mesh.stage=2", "pipeline.schedule=gpipe",
+                      devices=jax.devices()[:2])
+    np.testing.assert_allclose(piped, plain, rtol=1e-5)
+
+
 def test_bad_pipeline_settings_are_one_line_errors(tmp_path):
-    bad = {("mesh.stage=2", "pipeline.microbatches=1"): "pipeline.microbatches",
+    bad = {("mesh.stage=2", "train.microbatches=1"): "train.microbatches",
            ("mesh.stage=4", "pipeline.virtual_stages=2", "pipeline.schedule=interleaved",
-            "pipeline.microbatches=4"): "model.layers",
-           ("mesh.stage=2", "pipeline.microbatches=32"): "train.batch_size",
-           ("mesh.stage=2", "train.grad_accum=2"): "train.grad_accum"}
+            "train.microbatches=4"): "model.layers",
+           ("mesh.stage=2", "train.microbatches=32"): "train.batch_size"}
     for extra, key in bad.items():
-        config = jaxmp.load_config(None, BASE + list(extra))
         with pytest.raises(ConfigError, match=key) as e:
+            config = jaxmp.load_config(None, BASE + list(extra))
             gpt_trainer(config, tmp_path, with_data=False, devices=jax.devices()[:int(
                 extra[0].split("=")[1])])
         assert "\n" not in str(e.value)
@@ -206,7 +348,7 @@ def test_1f1b_and_interleaved_use_less_memory_than_gpipe(tmp_path):
     temp = {}
     for kind, extra in (("gpipe", []), ("1f1b", []),
                         ("interleaved", ["pipeline.virtual_stages=2"])):
-        config = jaxmp.load_config(None, BASE + ["mesh.stage=4", "pipeline.microbatches=8",
+        config = jaxmp.load_config(None, BASE + ["mesh.stage=4", "train.microbatches=8",
                                                  "model.layers=8", f"pipeline.schedule={kind}",
                                                  *extra])
         trainer = gpt_trainer(config, tmp_path, with_data=False, devices=jax.devices()[:4])
@@ -219,7 +361,7 @@ def test_gradients_cross_the_data_axis_once_per_step():
     grow with the microbatches (they would, M-fold, if every chunk's backward reduced)."""
     def all_reduce_bytes(m: int) -> float:
         config = jaxmp.load_config(None, BASE + ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=1",
-                                                 "mesh.tensor=1", f"pipeline.microbatches={m}"])
+                                                 "mesh.tensor=1", f"train.microbatches={m}"])
         trainer = gpt_trainer(config, "unused", with_data=False, devices=jax.devices()[:4])
         return collective_stats(trainer.compile()).bytes_by_kind["all-reduce"]
 

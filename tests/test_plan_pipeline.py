@@ -14,9 +14,9 @@ from jaxmp.config import replace
 from jaxmp.cli import main
 from jaxmp.devices import DeviceProfile, profile_for
 from jaxmp.errors import PlanError
-from jaxmp.parallel.footprint import buffer_slots, chunk_ranges, fold, stack_span
-from jaxmp.parallel.schedule import Schedule
-from jaxmp.parallel.stages import split_layers
+from jaxmp.pipeline.footprint import buffer_slots, chunk_ranges, fold, stack_span
+from jaxmp.pipeline.schedule import Schedule
+from jaxmp.pipeline.stages import split_layers
 from jaxmp.plan import Context, Layout, plan, plan_for_config, predict
 from jaxmp.plan.pipeline import stage_split
 from jaxmp.recipes.gpt import gpt_costs, gpt_trainer
@@ -164,7 +164,7 @@ def test_schedule_and_microbatches_are_searched():
     assert {k for k, _, _ in seen} == {"1f1b", "interleaved"}
     assert {v for _, v, _ in seen} >= {1, 2, 3}
     fixed = plan_for_config(_config("mesh.stage=2", "mesh.data=4", "pipeline.schedule=gpipe",
-                                    "pipeline.microbatches=4", base=HEAVY_HEAD), cost, 8,
+                                    "train.microbatches=4", base=HEAVY_HEAD), cost, 8,
                             device_kind="H100", strict=True)
     assert {(c.layout.schedule, c.layout.microbatches) for c in fixed.candidates} == {
         ("gpipe", 4)}
@@ -210,7 +210,7 @@ def test_verify_a_pipeline_plan(capsys):
     exact; peak within 30 % (the CPU program's); collectives reported as compiled."""
     argv = ["plan", "--devices", "8", "--verify", "--json"]
     for s in SMALL + ["mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1",
-                      "pipeline.schedule=1f1b", "pipeline.microbatches=2"]:
+                      "pipeline.schedule=1f1b", "train.microbatches=2"]:
         argv += ["--set", s]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
@@ -236,7 +236,8 @@ def test_pipeline_keeps_the_remat_policy():
     from jaxmp.config import OptimizerConfig
     from jaxmp.models import lm_loss, next_token_loss
     from jaxmp.train.optimizer import make_optimizer
-    from jaxmp.train.pipeline import PipelineSpec, block_graphdef, make_pipeline_grad_fn, to_stages
+    from jaxmp.pipeline.chunk import PipelineSpec, to_stages
+    from jaxmp.pipeline.executor import PipelineExecutor
     from jaxmp.train.state import init_state, plan_state
     from jaxmp.train.step import batch_sharding, make_grad_fn
     from helpers import TINY, gpt_fn, lm_batch
@@ -256,9 +257,8 @@ def test_pipeline_keeps_the_remat_policy():
         layout = plan_state(gpt_fn(dataclasses.replace(cfg, remat=remat)), tx, mesh,
                             transform=lambda p: to_stages(p, spec, split))
         state = init_state(layout, gpt_fn(cfg), tx, 0)
-        bg = block_graphdef(sharding.abstract(lambda: gpt_fn(cfg)(nnx.Rngs(0))), spec)
-        grad_fn = make_pipeline_grad_fn(layout.graphdef, bg, mesh, spec,
-                                        Schedule("1f1b", 2, 4), split, sharding.DEFAULT_RULES)
+        grad_fn = PipelineExecutor(layout.graphdef, mesh, spec, Schedule("1f1b", 2, 4),
+                                   split).grad_fn(sharding.DEFAULT_RULES)
         gbatch = jax.device_put(batch, batch_sharding(layout, sharding.DEFAULT_RULES, batch))
         jaxpr = jax.make_jaxpr(grad_fn)(state.params, state.rest, gbatch)
         stash[remat] = max(sum(v.aval.size * v.aval.dtype.itemsize for v in e.invars)

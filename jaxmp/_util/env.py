@@ -1,14 +1,18 @@
-"""The one place that edits the XLA environment: simulated CPU devices and extra XLA flags.
+"""The one place that edits the XLA environment: the platform, simulated CPU devices, extra
+XLA flags and the GPU memory fraction.
 
-XLA reads ``XLA_FLAGS`` once, when jax's backend starts, so these must run before any jax
-computation (importing jax is fine; ``jax.devices()`` is too late). Stdlib only.
+XLA reads ``XLA_FLAGS`` (and JAX ``JAX_PLATFORMS``) once, when jax's backend starts, so these
+must run before any jax computation (importing jax is fine; ``jax.devices()`` is too late).
+Stdlib only.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import sys
+from collections.abc import Callable
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -47,12 +51,113 @@ def simulate_devices(n: int, force_cpu: bool = True) -> None:
     if backend_started():
         raise RuntimeError("simulated devices must be set before jax starts its backend")
     add_xla_flags(f"{_COUNT_FLAG}={n}")
-    if not force_cpu:
-        return
+    if force_cpu:
+        use_cpu()
+
+
+def use_cpu() -> None:
+    """Run JAX on the CPU backend only (simulated devices, deviceless GPU compiles)."""
     os.environ["JAX_PLATFORMS"] = "cpu"
     jax = sys.modules.get("jax")
-    if jax is not None:  # imported but not started: it read JAX_PLATFORMS already
+    if jax is not None and not backend_started():  # imported: it read JAX_PLATFORMS already
         jax.config.update("jax_platforms", "cpu")
+
+
+CUDA_PLUGIN = "jax_plugins.xla_cuda12"  # the PJRT plugin `pip install jax[cuda12]` brings
+
+
+def cuda_plugin_installed() -> bool:
+    """True when JAX's CUDA plugin is importable (found, not imported)."""
+    try:
+        return importlib.util.find_spec(CUDA_PLUGIN) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def gpu_usable() -> tuple[bool, str]:
+    """Whether the CUDA driver sees a GPU, asked the way JAX's plugin asks, without JAX.
+
+    Loads the driver library and calls ``cuInit(0)`` and ``cuDeviceGetCount``. Device nodes or
+    ``nvidia-smi`` on the PATH would be cheaper guesses, but a container can have the nodes
+    without a working driver (or the reverse), and ``CUDA_VISIBLE_DEVICES=""`` hides every
+    GPU; the driver itself answers all of these. A host without the driver answers in
+    microseconds (no library); on a GPU host JAX calls ``cuInit`` next anyway, and the
+    driver does its work once per process. Returns ``(usable, reason)``.
+    """
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False, "no CUDA driver (libcuda.so.1 not found)"
+    try:
+        rc = lib.cuInit(0)
+        if rc:
+            return False, f"cuInit failed with CUDA error {rc}"
+        count = ctypes.c_int(0)
+        rc = lib.cuDeviceGetCount(ctypes.byref(count))
+    except (AttributeError, OSError) as e:  # a library by that name that is not the driver
+        return False, f"libcuda.so.1 is not a usable CUDA driver ({e})"
+    if rc or count.value < 1:
+        return False, "the CUDA driver sees no GPU"
+    return True, f"{count.value} GPU(s)"
+
+
+def settle_platform() -> str | None:
+    """Choose JAX's platform before it starts; returns an info line for the user, or None.
+
+    A ``JAX_PLATFORMS`` the user set is kept. Otherwise, with JAX's CUDA plugin installed but
+    no usable GPU (a login node, CI, a laptop) JAX runs on the CPU: left alone, the plugin
+    would print a ``cuInit`` traceback at start-up and then fall back to the CPU anyway. With
+    a usable GPU, or without the plugin, JAX chooses as usual (CUDA first when present).
+    """
+    global _PLATFORM_NOTE
+    if backend_started():
+        return None
+    cpu, note = platform_decision(os.environ.get("JAX_PLATFORMS", ""), cuda_plugin_installed,
+                                  gpu_usable)
+    if cpu:
+        use_cpu()
+    _PLATFORM_NOTE = note
+    return note
+
+
+_PLATFORM_NOTE: str | None = None
+
+
+def platform_note() -> str | None:
+    """Why :func:`settle_platform` chose the CPU in this process (None: it did not), for a
+    run's start-up line. Printed there rather than at once, so that bad input found before
+    the run starts stays one line."""
+    return _PLATFORM_NOTE
+
+
+def platform_decision(user_choice: str, plugin_installed: Callable[[], bool],
+                      probe: Callable[[], tuple[bool, str]]) -> tuple[bool, str | None]:
+    """``(run on the CPU?, info line)`` for :func:`settle_platform`; the checks are passed in
+    (and only made when needed) so the rule can be tested on any machine."""
+    if user_choice.strip() or not plugin_installed():
+        return False, None
+    usable, why = probe()
+    if usable:
+        return False, None
+    return True, f"jaxmp: running on the CPU: JAX's CUDA plugin is installed but {why}"
+
+
+def may_use_gpu() -> bool:
+    """False when JAX is limited to the CPU (``JAX_PLATFORMS=cpu``)."""
+    return os.environ.get("JAX_PLATFORMS", "").strip().lower() != "cpu"
+
+
+MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def set_gpu_memory_fraction(fraction: float) -> bool:
+    """Let JAX's GPU allocator take ``fraction`` of each GPU's memory (what the planner may
+    fill, ``device.usable_fraction``), unless the user set ``XLA_PYTHON_CLIENT_MEM_FRACTION``.
+    Returns whether it was set."""
+    if os.environ.get(MEM_FRACTION) or not 0 < fraction <= 1:
+        return False
+    os.environ[MEM_FRACTION] = f"{fraction:g}"
+    return True
 
 
 def simulate_devices_from_argv(argv: list[str], default: int = 8) -> None:

@@ -1,8 +1,8 @@
 """The ``jaxmp`` command: argument parsing and exit codes only; the work is in the library.
 
-jax is imported only after the environment is settled (``--simulate-devices`` and the config's
-XLA flags must be in ``XLA_FLAGS`` before the backend starts), so every sub-command module
-imports the library inside its command function. Bad input (:class:`jaxmp.errors.BadInput`)
+jax is imported only after the environment is settled (the platform, ``--simulate-devices``
+and the config's XLA flags must be decided before the backend starts), so every sub-command
+module imports the library inside its command function. Bad input (:class:`jaxmp.errors.BadInput`)
 exits 2 with one line on stderr; runtime failures exit 1 with a clear message.
 """
 
@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from jaxmp._util import env
 from jaxmp.cli import bench, ckpt, data, plan, report, sample, train
 from jaxmp.errors import BadInput, Failure
 
@@ -34,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse already printed its one-line usage error
         return int(e.code or 0) and EXIT_BAD_INPUT
+    env.settle_platform()  # CPU when the CUDA plugin has no GPU to use (env.platform_note says)
     try:
         return args.func(args)
     except BrokenPipeError:  # output piped into `head` and closed early: not a failure

@@ -100,6 +100,18 @@ def apply_precision(config: Any) -> None:
         jax.config.update("jax_default_matmul_precision", config.xla.matmul_precision)
 
 
+def gpu_memory_fraction(config: Any) -> float:
+    """The share of each GPU's memory JAX's allocator may take: ``device.usable_fraction``,
+    else the profile's (``device.kind``), else the GPU profiles' common default. The planner
+    fills the same share, so what it plans and what the allocator gives are one number."""
+    from jaxmp.devices import PROFILES, match_kind
+
+    if config.device.usable_fraction:
+        return float(config.device.usable_fraction)
+    name = match_kind(config.device.kind) if config.device.kind not in ("", "auto") else None
+    return PROFILES[name or "H100"].usable_fraction  # an unknown GPU: the GPU profiles' 0.75
+
+
 def _config_path(args: argparse.Namespace) -> str | None:
     """CONFIG, else the run directory's own config.toml (a run continues as it was set up,
     e.g. by ``jaxmp ckpt import``), else None (the built-in defaults)."""
@@ -113,7 +125,8 @@ def _config_path(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxmp._util.env import add_xla_flags, limit_malloc_arenas
+    from jaxmp._util.env import (add_xla_flags, limit_malloc_arenas, may_use_gpu,
+                                 set_gpu_memory_fraction)
 
     path, overrides = _config_path(args), args.set or []
     if args.init_from is not None:
@@ -129,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     limit_malloc_arenas()  # before jax's threads: host memory stays flat over long runs
     simulate(args.simulate_devices)
+    if may_use_gpu():
+        set_gpu_memory_fraction(gpu_memory_fraction(config))
     add_xla_flags(config.xla.flags)
     _init_distributed(args)
     apply_precision(config)

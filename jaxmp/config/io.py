@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import sys
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from jaxmp.config.fields import ConfigError, coerce, require, show
-from jaxmp.config.sections import TrainerConfig, section_types
+from jaxmp.config.sections import RENAMED, TrainerConfig, section_types
 
 C = TypeVar("C", bound=TrainerConfig)
 
@@ -34,10 +35,27 @@ def _check_section(schema: type, section: str, where: str = "") -> None:
         raise ConfigError(f"unknown config section '{section}'{where} ({hint})")
 
 
+_WARNED: set[str] = set()
+
+
+def _renamed(section: str, key: str, value: Any) -> tuple[str, str, Any]:
+    """A renamed key's new name and value, after one deprecation line (once per process)."""
+    old = f"{section}.{key}"
+    new, values = RENAMED[old]
+    if old not in _WARNED:
+        _WARNED.add(old)
+        print(f"jaxmp: config key '{old}' is deprecated: use '{new}'", file=sys.stderr,
+              flush=True)
+    section, _, key = new.partition(".")
+    return section, key, values.get(value, value) if isinstance(value, str) else value
+
+
 def _set(schema: type, raw: dict[str, dict[str, Any]], section: str, key: str,
          value: Any) -> None:
     """Type-check one value into ``raw``; an unknown key gets the likeliest intended name."""
     fields = _fields(schema)
+    if f"{section}.{key}" in RENAMED and key not in fields.get(section, {}):
+        section, key, value = _renamed(section, key, value)
     types_ = fields[section]
     if key not in types_:
         everywhere = [f"{s}.{k}" for s in fields for k in fields[s]]

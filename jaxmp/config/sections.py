@@ -10,13 +10,42 @@ annotations``: the field types are read at run time to check values.)
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 from jaxmp.config.fields import ConfigError, Section, bounded, require
 
 # The mesh axes, outermost first; jaxmp.mesh builds every mesh with exactly these.
 MESH_AXES: tuple[str, ...] = ("data", "stage", "fsdp", "tensor")
 AxisSize = int | Literal["auto"]
+
+# The enumerations, declared once: each module that implements one reads its names from here
+# (e.g. ``jaxmp.pipeline.schedule.KINDS = SCHEDULES``), so a config value and the code that
+# runs it cannot disagree.
+RematPolicy = Literal["none", "save_dots", "full"]
+AttentionKind = Literal["xla", "cudnn"]
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Balance = Literal["flops", "layers"]
+GradCompression = Literal["none", "bfloat16", "int8", "powersgd"]
+WeightGather = Literal["auto", "param", "bfloat16", "int8"]
+REMAT_POLICY_NAMES: tuple[str, ...] = get_args(RematPolicy)
+ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+BALANCES: tuple[str, ...] = get_args(Balance)
+GRAD_COMPRESSIONS: tuple[str, ...] = get_args(GradCompression)
+WEIGHT_GATHERS: tuple[str, ...] = get_args(WeightGather)
+
+# Renamed keys: ``old -> (new, value renames)``. Outside scripts and saved run configs use the
+# old names, so they keep working; each use prints one deprecation line naming the new key.
+RENAMED: dict[str, tuple[str, dict[str, str]]] = {
+    "train.grad_accum": ("train.microbatches", {}),
+    "pipeline.microbatches": ("train.microbatches", {}),
+    "train.grad_compression": ("compression.gradients", {"bf16": "bfloat16"}),
+    "train.error_feedback": ("compression.error_feedback", {}),
+    "train.int8_block": ("compression.int8_block", {}),
+    "train.powersgd_rank": ("compression.powersgd_rank", {}),
+    "train.powersgd_start": ("compression.powersgd_start", {}),
+    "train.gather_dtype": ("compression.weights", {}),
+}
 
 
 @dataclass(frozen=True)
@@ -75,32 +104,44 @@ class OptimizerConfig(Section):
 
 @dataclass(frozen=True)
 class TrainConfig(Section):
-    """Loop length and batch. batch_size is global, in sequences, and split over grad_accum.
+    """Loop length and batch. batch_size is global, in sequences.
 
-    max_skipped: a step with a non-finite loss or gradient changes nothing (it is skipped and
-    counted); this many in a row stop the run (exit 1). See :mod:`jaxmp.train.guard`.
+    microbatches: how many pieces one step's batch is cut into — accumulated gradients without
+    pipeline stages, the pipeline's microbatches with them; "auto": the planner's choice (1 when
+    nothing needs more). max_skipped: a step with a non-finite loss or gradient changes nothing
+    (it is skipped and counted); this many in a row stop the run (exit 1). See
+    :mod:`jaxmp.train.guard`.
     """
 
     section: ClassVar[str] = "train"
     steps: int = bounded(200, ge=1)
     batch_size: int = bounded(16, ge=1)
     seed: int = bounded(0, ge=0)
-    grad_accum: int = bounded(1, ge=1)
+    microbatches: int | Literal["auto"] = "auto"
     eval_every: int = bounded(100, ge=0)  # 0 = no evaluation
     eval_batches: int = bounded(4, ge=1)
     max_skipped: int = bounded(5, ge=1)  # consecutive non-finite steps skipped before stopping
-    # Bytes on the wire (docs/compression.md): the data-axis gradient reduction's encoding, and
-    # the dtype fsdp gathers weights in ("auto": the model's compute dtype, if the recipe says).
-    grad_compression: Literal["none", "bf16", "int8", "powersgd"] = "none"
+
+    def _validate(self) -> None:
+        m = self.microbatches
+        require(m == "auto" or m >= 1, "train.microbatches", "must be >= 1 or 'auto'", m)
+        require(m == "auto" or self.batch_size % m == 0, "train.batch_size",
+                f"must be divisible by train.microbatches={m}", self.batch_size)
+
+
+@dataclass(frozen=True)
+class CompressionConfig(Section):
+    """Bytes on the wire (docs/compression.md): the encoding of the data-axis gradient reduction
+    (``gradients``) and the dtype fsdp gathers weights in (``weights``; "auto": the model's
+    compute dtype, where the recipe says what it is; "param": the stored dtype)."""
+
+    section: ClassVar[str] = "compression"
+    gradients: GradCompression = "none"
     error_feedback: bool = True  # int8 / powersgd: carry what compression dropped to next step
     int8_block: int = bounded(256, ge=8)  # values per int8 scale
     powersgd_rank: int = bounded(4, ge=1)
     powersgd_start: int = bounded(10, ge=0)  # uncompressed warm-up steps
-    gather_dtype: Literal["auto", "param", "bfloat16", "int8"] = "auto"
-
-    def _validate(self) -> None:
-        require(self.batch_size % self.grad_accum == 0, "train.batch_size",
-                 f"must be divisible by train.grad_accum={self.grad_accum}", self.batch_size)
+    weights: WeightGather = "auto"
 
 
 @dataclass(frozen=True)
@@ -163,18 +204,16 @@ class DeviceConfig(Section):
 
 @dataclass(frozen=True)
 class PipelineConfig(Section):
-    """Pipeline parallelism, used when ``mesh.stage`` > 1 (see docs/pipeline.md)."""
+    """Pipeline parallelism, used when ``mesh.stage`` > 1 (see docs/pipeline.md); the
+    microbatches are ``train.microbatches``."""
 
     section: ClassVar[str] = "pipeline"
-    microbatches: int | Literal["auto"] = "auto"  # "auto": the plan's, else 2 x stages
-    # "auto": the plan's, else 1f1b (and 2 virtual stages for interleaved)
-    schedule: Literal["auto", "gpipe", "1f1b", "interleaved"] = "auto"
+    # "auto": the plan's (without costs to plan from: 1f1b, 2 virtual stages for interleaved)
+    schedule: Literal["auto", Schedule] = "auto"
     virtual_stages: int | Literal["auto"] = "auto"  # chunks per device (interleaved: >= 2)
-    balance: Literal["flops", "layers"] = "flops"  # stage boundaries by per-layer FLOPs or count
+    balance: Balance = "flops"  # stage boundaries by per-layer FLOPs or count
 
     def _validate(self) -> None:
-        require(self.microbatches == "auto" or self.microbatches >= 1, "pipeline.microbatches",
-                "must be >= 1 or 'auto'", self.microbatches)
         require(self.virtual_stages == "auto" or self.virtual_stages >= 1,
                 "pipeline.virtual_stages", "must be >= 1 or 'auto'", self.virtual_stages)
 
@@ -195,6 +234,7 @@ class TrainerConfig:
     xla: XlaConfig = field(default_factory=XlaConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -13,7 +13,12 @@ Conventions follow XLA's HloCostAnalysis so the two can be compared:
 * elementwise arithmetic, comparisons and selects: one FLOP per output element;
 * transcendental functions (exp, log, tanh, rsqrt, ...) go to ``transcendentals``, not ``flops``;
 * reductions: one FLOP per input element; scatter-add: one per update element;
-* data movement (reshape, transpose, gather, slices, converts, ...) is free.
+* data movement (reshape, transpose, gather, slices, converts, ...) is free;
+* a fused attention kernel (cuDNN's, ``dot_product_attention_*``) counts the matmuls of the
+  attention it replaces, full square as XLA's attention computes it (and as MFU counts it):
+  4·B·N·T·S·H forward, 8·B·N·T·S·H backward, B·N·T·S exponentials each way. The kernel's
+  own work differs (it skips masked tiles and recomputes scores); the convention keeps a
+  model's FLOPs independent of its attention kernel.
 """
 
 from __future__ import annotations
@@ -91,12 +96,31 @@ def _is_float(aval: Any) -> bool:
     return dtype is not None and np.issubdtype(np.dtype(dtype), np.inexact)
 
 
+def is_kernel(name: str) -> bool:
+    """A primitive that runs as one library kernel (cuDNN's fused attention, forward or
+    backward): opaque, never fused with its neighbours, its outputs always materialised."""
+    return name.startswith("dot_product_attention")
+
+
+def _fused_attention_counts(eqn: Any) -> Counts:
+    """See the module docstring. Operands: query, key, value first; layout 0 is
+    [batch, seq, heads, head_dim], 1 is [batch, heads, seq, head_dim]."""
+    q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    bnth = eqn.params.get("layout", 0) in (1, "BNTH")
+    b, n, t, h = (q[0], q[1], q[2], q[3]) if bnth else (q[0], q[2], q[1], q[3])
+    s = k[2] if bnth else k[1]
+    pairs = float(b * n * t * s)
+    return Counts((8.0 if "bwd" in eqn.primitive.name else 4.0) * pairs * h, pairs)
+
+
 def eqn_counts(eqn: Any) -> Counts:
     """Counts of one primitive equation (not recursing into sub-programs)."""
     name = eqn.primitive.name
     outs = [v.aval for v in eqn.outvars]
     ins = [v.aval for v in eqn.invars]
     out_size = sum(_size(a) for a in outs)
+    if is_kernel(name):
+        return _fused_attention_counts(eqn)
     if name == "dot_general":
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]
         k = math.prod(ins[0].shape[d] for d in lhs_contract)

@@ -5,7 +5,8 @@ output *and* half a dozen elementwise functions of it. Inside a ``scan`` they al
 outputs and are materialised (stacked over layers), so there the residual list is the memory.
 In straight-line code XLA fuses elementwise chains into their consumers and recomputes them in
 the backward pass instead: only the *anchors* stay alive — values produced by operations that
-do not fuse (matmuls, convolutions, reductions, gathers, calls) and the layer's inputs.
+do not fuse (matmuls, convolutions, reductions, gathers, calls, library kernels such as cuDNN's
+fused attention) and the layer's inputs.
 
 ``kept_values`` maps a residual list to those anchors by walking back through fusible
 producers. It needs a flat jaxpr (trace under ``jax.disable_jit()`` so jitted helpers inline).
@@ -28,7 +29,8 @@ custom_vjp_call_jaxpr pjit closed_call scan while cond remat remat2 checkpoint s
 
 
 def _fusible(eqn: Any) -> bool:
-    return eqn.primitive.name not in _ANCHORS and not F._sub_jaxprs(eqn)
+    name = eqn.primitive.name
+    return name not in _ANCHORS and not F.is_kernel(name) and not F._sub_jaxprs(eqn)
 
 
 def kept_values(jaxpr: Any, residuals: Sequence[Any], exclude: Iterable[Any] = (),

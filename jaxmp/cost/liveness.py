@@ -21,7 +21,7 @@ from jax.extend import core as jcore
 
 from jaxmp._util.arrays import nbytes as _nbytes
 from jaxmp.cost import flops as F
-from jaxmp.cost.fusion import _ANCHORS
+from jaxmp.cost.fusion import _fusible
 
 _INLINE = ("pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
            "custom_vjp_call", "custom_vjp_call_jaxpr")
@@ -69,7 +69,7 @@ class _Flat:
                 continue
             outs = [self.new(v.aval) for v in eqn.outvars]
             env.update(zip(eqn.outvars, outs))
-            fusible = eqn.primitive.name not in _ANCHORS and not subs
+            fusible = _fusible(eqn)
             self.nodes.append(_Node(fusible, ins, outs, F.is_backward(full)))
 
 

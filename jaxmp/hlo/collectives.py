@@ -79,9 +79,38 @@ def _group_size(attrs: str, total: int | None) -> int | None:
     return total  # `replica_groups={}` or absent: one group of every device
 
 
+def tuple_parts(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape (``"(a, (b, c))"`` → ``["a", "(b, c)"]``);
+    an array shape is its own single part."""
+    shape = re.sub(r"/\*.*?\*/", "", shape).strip()
+    if not shape.startswith("("):
+        return [shape]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if (ch == "," and depth == 1) or (depth == 0 and ch == ")"):
+            parts.append(shape[start:i].strip())
+            start = i + 1
+        if depth == 0:
+            break
+    return [p for p in parts if p]
+
+
+def _result_shape(ins: Instr) -> str:
+    """The result part of an async start's shape: jax 0.12's ``all-reduce-start`` returns
+    ``((operands), result)``, earlier ones only the result."""
+    parts = tuple_parts(ins.shape)
+    if ins.opcode == "all-reduce-start" and len(parts) == 2 and parts[0].startswith("("):
+        return parts[1]
+    return ins.shape
+
+
 def _sized(kind: str, ins: Instr, shapes: dict[str, str], n: int, warn: list[str]) -> int:
     """The S of the ring formula, from the result shape or (where needed) the operand shapes."""
-    out = shape_bytes(ins.shape)
+    out = shape_bytes(_result_shape(ins))
     known = [s or shapes.get(name) for name, s in ins.operands]
     s_in = sum(shape_bytes(s) for s in known) if known and None not in known else None
     start = ins.opcode.endswith("-start")

@@ -7,6 +7,10 @@ parameters, RMSNorm and MLP modules, :meth:`~jaxmp.models.gpt.Attention.qkv` (pr
 biases, rotary embedding with its scaling), the same ``dot_product_attention`` — so greedy
 decoding equals an argmax of the full forward pass at every step (a test checks it). Prompt,
 cache and sampling all live in one compiled program.
+
+Attention here is always XLA's, whatever the model trains with: a query block attends to a
+cache longer than itself under a rectangular mask, which cuDNN's flash kernel does not take as a
+causal mask (only as a bias, materialised), and decoding reads the cache once per token anyway.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ def _attend(attn: Attention, x: jax.Array, keys: jax.Array, values: jax.Array,
     keys = jax.lax.dynamic_update_slice(keys, k, (0, pos, 0, 0))
     values = jax.lax.dynamic_update_slice(values, v, (0, pos, 0, 0))
     visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # [new, cache length]
-    out = jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None])
+    out = jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None],
+                                       implementation="xla")
     return jnp.einsum("bshk,hkd->bsd", out, attn.o[...].astype(dt)), keys, values
 
 

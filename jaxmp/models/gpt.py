@@ -37,6 +37,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     scan_layers: bool = True
     remat: str = "none"  # "none" | "save_dots" | "full"
+    attention: str = "xla"  # "xla" | "cudnn" (resolved: jaxmp.models.attention.choose_attention)
     compute_dtype: str = "float32"
     param_dtype: str = "float32"
     norm_eps: float = 1e-5
@@ -128,11 +129,13 @@ def rope(x: jax.Array, positions: jax.Array, freqs: jax.Array | None = None) -> 
 
 
 class Attention(nnx.Module):
-    """Causal multi-head attention; grouped-query when kv_heads < heads."""
+    """Causal multi-head attention; grouped-query when kv_heads < heads. ``cfg.attention``
+    picks XLA's kernel or cuDNN's flash attention (same maths, same parameters)."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         d, h, kv, hd, pd = cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.param_dtype
         std = cfg.init_std
+        self.implementation = cfg.attention
         self.q = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), std, pd)
         self.k = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), std, pd)
         self.v = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), std, pd)
@@ -165,7 +168,8 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
         q, k, v = self.qkv(x, jnp.arange(x.shape[1]))
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                           implementation=self.implementation)
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return jnp.einsum("bshk,hkd->bsd", out, self.o[...].astype(dt))
 

@@ -13,7 +13,7 @@ It knows no model and no trainer: models arrive as :class:`jaxmp.cost.ModelCost`
 """
 
 from jaxmp.errors import PlanError
-from jaxmp.parallel.balance import InfeasibleError, balance_stages, stage_sums
+from jaxmp.pipeline.balance import InfeasibleError, balance_stages, stage_sums
 from jaxmp.plan.context import Context, Layout, Prediction
 from jaxmp.plan.plan import Plan, plan, plan_for_config
 from jaxmp.plan.predict import predict

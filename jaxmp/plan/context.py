@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 
 from jaxmp import sharding
+from jaxmp.compression.reduce import Compression, bytes_factor
 from jaxmp.cost import ModelCost
 from jaxmp.devices import DeviceProfile
 from jaxmp.mesh import AXES
-from jaxmp.parallel.footprint import stack_span
-from jaxmp.parallel.reduce import Compression, bytes_factor
+from jaxmp.pipeline.footprint import stack_span
 
 STEP_STATE_BYTES = 4  # the step counter of the train state
 
@@ -121,7 +121,7 @@ class Context:
                  rules: Sequence = sharding.DEFAULT_RULES, balance: str = "flops",
                  grad_compression: Compression | None = None):
         self.cost = cost
-        # The data-axis gradient reduction's bytes relative to float32 (train.grad_compression).
+        # The data-axis gradient reduction's bytes relative to float32 (compression.gradients).
         self.grad_compression = grad_compression or Compression()
         self.grad_bytes_factor = bytes_factor(
             self.grad_compression,

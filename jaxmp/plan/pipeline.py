@@ -1,8 +1,8 @@
-"""Predict a layout with pipeline stages as the executor (:mod:`jaxmp.train.pipeline`) runs it.
+"""Predict a layout with pipeline stages as the executor (:mod:`jaxmp.pipeline.executor`) runs it.
 
 From the same descriptions the executor uses — the split of the per-layer table into chunks
-(:func:`jaxmp.parallel.stages.split_layers`, by training FLOPs or layer count) and the
-schedule (:class:`jaxmp.parallel.schedule.Schedule`: ticks, microbatches in flight) — so the
+(:func:`jaxmp.pipeline.stages.split_layers`, by training FLOPs or layer count) and the
+schedule (:class:`jaxmp.pipeline.schedule.Schedule`: ticks, microbatches in flight) — so the
 prediction and the program cannot drift:
 
 * **memory**, the same on every device (one SPMD program): the padded stack, ``V·Lmax`` block
@@ -28,9 +28,9 @@ import numpy as np
 from dataclasses import dataclass
 
 from jaxmp.mesh import AXES
-from jaxmp.parallel.footprint import buffer_slots, chunk_ranges, fold
-from jaxmp.parallel.schedule import Schedule
-from jaxmp.parallel.stages import split_layers
+from jaxmp.pipeline.footprint import buffer_slots, chunk_ranges, fold
+from jaxmp.pipeline.schedule import Schedule
+from jaxmp.pipeline.stages import split_layers
 from jaxmp.plan.context import STEP_STATE_BYTES, Context, Layout, Prediction
 
 
@@ -147,8 +147,8 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     comm = dict.fromkeys(AXES, 0.0)
     comm["tensor"] = m * ch.busiest(k.prefix["tp"], p)
     comm["fsdp"] = m * ch.busiest(k.prefix["fsdp"], p)
-    if d > 1:  # once per step, after the schedule (jaxmp.parallel.reduce), encoded per
-        # train.grad_compression: the device's chunks of the stack and the shared params
+    if d > 1:  # once per step, after the schedule (jaxmp.compression.reduce), encoded per
+        # compression.gradients: the device's chunks of the stack and the shared params
         comm["data"] = ctx.grad_bytes_factor * 2 * (d - 1) / d * (
             ch.busiest_blocks * blk["local"] + k.shared)
     comm["stage"] = schedule.n_ticks * 2 * k.boundary + 2 * (p - 1) / p * k.shared

@@ -27,11 +27,11 @@ from typing import Any
 
 from jaxmp import sharding
 from jaxmp._util.fmt import fmt_bytes, mesh_str
+from jaxmp.compression.reduce import Compression
 from jaxmp.config import TrainerConfig
 from jaxmp.cost import ModelCost
 from jaxmp.devices import DeviceProfile, profile_from_config
 from jaxmp.errors import PlanError
-from jaxmp.parallel.reduce import Compression
 from jaxmp.plan.context import Context, Prediction
 from jaxmp.plan.search import (Candidate, PipelineOptions, SearchResult, choose, describe,
                                reason_lost, search)
@@ -230,7 +230,7 @@ def plan_for_config(config: TrainerConfig, cost: ModelCost, n_devices: int, *,
                     remats: Sequence[str] | None = None, strict: bool = False,
                     measure_cpu: bool = False, pipeline: bool = True) -> Plan:
     """Plan ``cost`` as a run's config asks: its explicit mesh axes are fixed, its ``[device]``
-    section describes the devices, its ``train.grad_accum``, ``[pipeline]`` settings and the
+    section describes the devices, its ``train.microbatches``, ``[pipeline]`` settings and the
     model's own remat policy (``cost.runs_as``; ``"auto"``: any) are what can run.
 
     ``remats`` are the policies to rank (default: only the runnable one, or every costed one
@@ -246,10 +246,10 @@ def plan_for_config(config: TrainerConfig, cost: ModelCost, n_devices: int, *,
     auto = cost.runs_as == "auto"
     if not remats:
         remats = tuple(cost.layers[0].saved) if auto and cost.layers else (cost.runs_as,)
-    pc = config.pipeline
+    pc, pc_m = config.pipeline, config.train.microbatches
     options = PipelineOptions(schedule=pc.schedule, virtual=pc.virtual_stages,
-                              microbatches=pc.microbatches, runnable=pipeline)
+                              microbatches=config.train.microbatches, runnable=pipeline)
     return plan(cost, n_devices, profile, rules=rules, fixed=fixed, remats=tuple(remats),
-                grad_accum=config.train.grad_accum,
+                grad_accum=1 if pc_m == "auto" else pc_m,
                 configured_remat=None if auto else cost.runs_as, pipeline=options,
-                balance=pc.balance, grad_compression=Compression.from_config(config.train))
+                balance=pc.balance, grad_compression=Compression.from_config(config.compression))

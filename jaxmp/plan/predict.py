@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxmp.compression.reduce import reduced_after_microbatches
 from jaxmp.mesh import AXES
-from jaxmp.parallel.balance import InfeasibleError
-from jaxmp.parallel.reduce import reduced_after_microbatches
+from jaxmp.pipeline.balance import InfeasibleError
 from jaxmp.plan.context import (STEP_STATE_BYTES, Context, Layout, Prediction, _Shard,
                                 overlapped)
 from jaxmp.plan.pipeline import predict_pipeline
@@ -62,7 +62,7 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     comm = dict.fromkeys(AXES, 0.0)
     comm["tensor"] = m * float(a["tp"].sum())
     comm["fsdp"] = m * float(a["fsdp"].sum())
-    # The data-axis gradient reduction, encoded per train.grad_compression: beside the
+    # The data-axis gradient reduction, encoded per compression.gradients: beside the
     # backward pass (XLA's), or once after the last microbatch with nothing to hide behind.
     at_end = reduced_after_microbatches(d, ctx.grad_compression.kind, m)
     data_bytes = ctx.grad_bytes_factor * 2 * (d - 1) / d * a["local"]

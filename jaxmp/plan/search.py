@@ -160,11 +160,9 @@ def search(ctx: Context, fixed: Mapping[str, int] | None = None,
                 remat_ok = configured_remat is None or remat == configured_remat
                 blockers = [] if remat_ok else [f"needs model.remat={remat!r}"]
                 if p == 1 and m != grad_accum:
-                    blockers.append(f"needs train.grad_accum={m}")
+                    blockers.append(f"needs train.microbatches={m}")
                 if p > 1 and not opts.runnable:
                     blockers.append(opts.why_not)
-                if p > 1 and grad_accum != 1:
-                    blockers.append("needs train.grad_accum=1 (stages accumulate microbatches)")
                 result.ranked.append(Candidate(layout, pred, fits, tuple(blockers)))
                 if fits and remat_ok:
                     break

@@ -27,10 +27,11 @@ from jaxmp.data import STDLIB_VOCAB, BatchIterator, make_batches, padded_vocab, 
 from jaxmp.data.meta import META, RUN_META, TOKENIZER
 from jaxmp.errors import ConfigError
 from jaxmp.models import GPT, GPTConfig, lm_loss, next_token_loss
+from jaxmp.models.attention import AttentionChoice, choose_attention, device_platform
+from jaxmp.pipeline.chunk import PipelineSpec
 from jaxmp.plan import Plan, plan_for_config
 from jaxmp.recipes.gpt_config import Config, ModelConfig
 from jaxmp.train import Trainer
-from jaxmp.train.pipeline import PipelineSpec
 from jaxmp.train.planning import CostSource, plan_model
 
 
@@ -63,22 +64,43 @@ def resolve_data(config: Config) -> Config:
                    data={"token_dtype": meta["dtype"]})
 
 
-def model_gpt_config(m: ModelConfig) -> GPTConfig:
+def platform_of(devices: Sequence[Any] | None = None) -> str:
+    """The platform a model will run on (:func:`jaxmp.models.attention.device_platform` of the
+    first device; default: this process's devices). Deviceless GPU devices say ``"cuda"``."""
+    return device_platform(devices[0] if devices else jax.devices()[0])
+
+
+def attention_for(m: ModelConfig, platform: str | None = None) -> AttentionChoice:
+    """``model.attention`` resolved for ``platform`` (default: this process's devices)."""
+    return choose_attention(m.attention, platform or platform_of(), m.compute_dtype,
+                            m.resolved_head_dim)
+
+
+def attention_choice(config: Config, devices: Sequence[Any] | None = None) -> AttentionChoice:
+    """The attention the GPT of ``config`` runs on ``devices``: for the run's start-up line."""
+    return attention_for(config.model, platform_of(devices))
+
+
+def model_gpt_config(m: ModelConfig, platform: str | None = None) -> GPTConfig:
     """A ``[model]`` section as the model's own GPTConfig: each field by name, with the
-    section's ``resolved_*`` value where it derives one (zeros mean "derive it")."""
+    section's ``resolved_*`` value where it derives one (zeros mean "derive it"), and the
+    attention kernel chosen for ``platform`` (default: this process's devices)."""
     if not m.vocab_size:
         raise ConfigError("model.vocab_size: 0 ('from the data') has no data to come from here")
-    return GPTConfig(**{f.name: getattr(m, f"resolved_{f.name}", getattr(m, f.name))
-                        for f in dataclasses.fields(GPTConfig)})
+    fields = {f.name: getattr(m, f"resolved_{f.name}", getattr(m, f.name))
+              for f in dataclasses.fields(GPTConfig)}
+    fields["attention"] = attention_for(m, platform).implementation
+    return GPTConfig(**fields)
 
 
-def gpt_config(config: Config) -> GPTConfig:
-    """The model of a GPT config, its vocabulary resolved against the data."""
-    return model_gpt_config(resolve_data(config).model)
+def gpt_config(config: Config, platform: str | None = None) -> GPTConfig:
+    """The model of a GPT config, its vocabulary resolved against the data, its attention
+    against ``platform``."""
+    return model_gpt_config(resolve_data(config).model, platform)
 
 
-def gpt_model_fn(config: Config) -> Callable[[nnx.Rngs], GPT]:
-    cfg = gpt_config(config)
+def gpt_model_fn(config: Config, platform: str | None = None) -> Callable[[nnx.Rngs], GPT]:
+    cfg = gpt_config(config, platform)
     return lambda rngs: GPT(cfg, rngs=rngs)
 
 
@@ -100,13 +122,15 @@ def lm_batches(config: Config, split: str = "train", seed_offset: int = 0) -> Ba
 _COST_CACHE: dict[tuple, ModelCost] = {}
 
 
-def gpt_costs(config: Config, remats: Sequence[str] | None = None) -> ModelCost:
+def gpt_costs(config: Config, remats: Sequence[str] | None = None,
+              platform: str | None = None) -> ModelCost:
     """Per-layer costs of the configured GPT on the configured global batch (cached).
 
     ``remats``: the policies to cost (default, or ``"auto"``: all). ``runs_as`` is the
-    configured policy (``"auto"``: the planner picks).
+    configured policy (``"auto"``: the planner picks). ``platform``: where the model will run
+    (its attention kernel; default this process's), traced here whatever this host is.
     """
-    gcfg = gpt_config(config)
+    gcfg = gpt_config(config, platform)
     if gcfg.remat == "auto":  # each layer is costed under every policy; trace it without one
         gcfg = dataclasses.replace(gcfg, remat="none")
     remats = tuple(r for r in (remats or ()) if r != "auto") or tuple(REMAT_POLICIES)
@@ -128,10 +152,12 @@ def gpt_costs(config: Config, remats: Sequence[str] | None = None) -> ModelCost:
     return dataclasses.replace(_COST_CACHE[key], runs_as=config.model.remat)
 
 
-def gpt_plan(config: Config, n_devices: int, device_kind: str | None = None) -> Plan:
-    """``jaxmp plan``: rank every layout and remat policy for the configured GPT."""
+def gpt_plan(config: Config, n_devices: int, device_kind: str | None = None,
+             platform: str | None = None) -> Plan:
+    """``jaxmp plan``: rank every layout and remat policy for the configured GPT (its attention
+    as on ``platform``; default this process's devices)."""
     start = time.perf_counter()
-    cost = gpt_costs(config)
+    cost = gpt_costs(config, platform=platform)
     seconds = time.perf_counter() - start
     plan = plan_for_config(config, cost, n_devices, device_kind=device_kind,
                            remats=tuple(REMAT_POLICIES), strict=True, measure_cpu=True)
@@ -150,10 +176,12 @@ def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,
     tokenizer into ``run_dir``, so the run samples on its own (``jaxmp sample``).
     """
     config = resolve_data(config)
+    platform = platform_of(devices)  # the model's attention kernel is the devices' choice
     if config.model.remat == "auto":  # the plan picks the policy the model is built with
         n = len(devices) if devices is not None else jax.device_count()
-        plan = plan or plan_model(config, n, CostSource(None, None, lambda: gpt_costs(config)),
-                                  pipeline=True)
+        plan = plan or plan_model(
+            config, n, CostSource(None, None, lambda: gpt_costs(config, platform=platform)),
+            pipeline=True)
         config = replace(config, model={"remat": plan.remat})
     eval_data = None
     if with_data and config.train.eval_every > 0 and config.data.source != "synthetic":
@@ -161,13 +189,14 @@ def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,
         eval_data()  # a split too short for one batch is bad input now, not at the first eval
     if with_data:
         copy_tokenizer(config, run_dir)
-    return Trainer(config, gpt_model_fn(config), lm_loss,
+    return Trainer(config, gpt_model_fn(config, platform), lm_loss,
                    lm_batches(config) if with_data else None, run_dir=run_dir,
                    eval_data=eval_data, devices=devices, plan=plan,
-                   cost=lambda: gpt_costs(config, (config.model.remat,)),
+                   cost=lambda: gpt_costs(config, (config.model.remat,), platform),
                    example_batch=example_batch(config), pipeline=gpt_pipeline(config),
                    compute_dtype=config.model.compute_dtype,
-                   model_flops_per_token=gpt_config(config).flops_per_token(config.data.seq_len))
+                   model_flops_per_token=gpt_config(config, platform).flops_per_token(
+                       config.data.seq_len))
 
 
 def gpt_pipeline(config: Config) -> PipelineSpec:

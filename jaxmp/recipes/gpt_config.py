@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from jaxmp.config import Section, TrainerConfig, bounded, load, require
+from jaxmp.config.sections import AttentionKind, RematPolicy
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -34,7 +35,9 @@ class ModelConfig(Section):
     activation: Literal["gelu", "swiglu"] = "gelu"
     tie_embeddings: bool = True
     scan_layers: bool = True
-    remat: Literal["auto", "none", "save_dots", "full"] = "none"  # "auto": the plan's
+    remat: Literal["auto", RematPolicy] = "none"  # "auto": the plan's
+    # "auto": cuDNN's flash attention where it runs (jaxmp.models.attention), else XLA's
+    attention: Literal["auto", AttentionKind] = "auto"
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     norm_eps: float = bounded(1e-5, gt=0)

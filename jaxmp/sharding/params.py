@@ -5,7 +5,7 @@ A scanned layer stack reads one layer's weights per iteration; the model pins th
 the layer's sharding (:func:`constrain_param`), which makes the partitioner gather it (fsdp)
 right there and reduce-scatter its gradient by transposition. Inside :func:`param_gathering`
 the trainer's gather function also runs on the slice, so the weights can travel in a narrower
-dtype than the float32 master copy (bf16 or int8, :mod:`jaxmp.parallel.gather`). Outside it
+dtype than the float32 master copy (bf16 or int8, :mod:`jaxmp.compression.gather`). Outside it
 this is exactly :func:`jaxmp.sharding.constrain`.
 """
 

@@ -135,7 +135,7 @@ def planned_layout(spec: StrategySpec, ctx: Context, config: TrainerConfig, rema
     Uses the planner's own search, so what it cannot run (indivisible batches, axes that shard
     nothing, pipeline stages while they are not executed) gets the planner's reason here too.
     """
-    n, ga = ctx.n, config.train.grad_accum
+    n, ga = ctx.n, 1 if config.train.microbatches == "auto" else config.train.microbatches
     if spec.planned:
         fixed = {a: v for a, v in config.mesh.explicit().items() if v != -1} \
             if spec.planned == "auto" else None

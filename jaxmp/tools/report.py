@@ -109,7 +109,8 @@ def _model_line(r: Run) -> str:
                      f"remat {m.get('remat')}")
     if t:
         batch = f"batch {t.get('batch_size')}" + (f" × {d['seq_len']}" if "seq_len" in d else "")
-        parts.append(f"{batch}, {t.get('steps')} steps, grad_accum {t.get('grad_accum', 1)}")
+        parts.append(f"{batch}, {t.get('steps')} steps, microbatches "
+                     f"{t.get('microbatches', t.get('grad_accum', 1))}")
     if d.get("source"):
         parts.append(f"data {d['source']}")
     return "; ".join(parts) or "(no config.toml)"

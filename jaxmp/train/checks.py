@@ -52,7 +52,7 @@ def check_batch(mesh: Mesh, rules: Sequence, batch_size: int, grad_accum: int = 
                           f"use a multiple of {n}")
     micro = batch_size // grad_accum
     if grad_accum > 1 and micro % n:
-        raise ConfigError(f"train.batch_size: {batch_size} / train.grad_accum={grad_accum} = "
+        raise ConfigError(f"train.batch_size: {batch_size} / train.microbatches={grad_accum} = "
                           f"{micro} rows per microbatch, which do not divide over {where}; "
                           f"use a multiple of {n * grad_accum}")
 

@@ -23,19 +23,20 @@ from jaxmp._util.arrays import tree_bytes
 from jaxmp._util.fmt import fmt_bytes, mesh_str
 from jaxmp._util.io import atomic_write, make_dir
 from jaxmp._util.log import say
+from jaxmp.compression.reduce import without_data
 from jaxmp.config import TrainerConfig, config_to_toml
 from jaxmp.cost import ModelCost
 from jaxmp.data import to_global
+from jaxmp.pipeline.chunk import PipelineSpec, stack_length, to_stages
+from jaxmp.pipeline.executor import PipelineExecutor
 from jaxmp.plan import Plan
-from jaxmp.parallel.reduce import without_data
 from jaxmp.train import checks, guard, peers, wire
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
 from jaxmp.train.metrics import (MetricsWriter, Profiler, Progress, batch_tokens,
                                  memory_metrics, total_peak_flops)
 from jaxmp.train.optimizer import make_optimizer, make_schedule
-from jaxmp.train.pipeline import (PipelineSpec, block_graphdef, make_pipeline_grad_fn,
-                                  stack_length, to_stages)
-from jaxmp.train.planning import CostSource, mesh_for, plan_model, plan_stages
+from jaxmp.train.planning import (CostSource, accumulation, mesh_for, plan_model,
+                                  plan_stages)
 from jaxmp.train.preempt import Preemption
 from jaxmp.train.state import Extension, TrainState, init_state, plan_state
 from jaxmp.train.step import LossFn, batch_spec, make_eval_step, make_train_step
@@ -58,9 +59,9 @@ class Trainer:
     ShapeDtypeStructs); with neither, an ``auto`` mesh is plain data parallelism.
     ``extensions`` add sharded, checkpointed state beside the model's (see
     :mod:`jaxmp.train.state`). ``pipeline`` says how the model splits into stages (a
-    :class:`~jaxmp.train.pipeline.PipelineSpec`), which ``mesh.stage > 1`` requires.
+    :class:`~jaxmp.pipeline.chunk.PipelineSpec`), which ``mesh.stage > 1`` requires.
     ``compute_dtype``: the dtype the model computes in (e.g. the GPT's ``model.compute_dtype``);
-    with ``train.gather_dtype = "auto"`` fsdp gathers weights in it (docs/compression.md).
+    with ``compression.weights = "auto"`` fsdp gathers weights in it (docs/compression.md).
     """
 
     def __init__(self, config: TrainerConfig, model_fn: Callable, loss_fn: LossFn,
@@ -89,8 +90,9 @@ class Trainer:
         self.plan = plan if plan is not None else plan_model(
             config, len(devices), costs, self.rules, pipeline=pipeline is not None)
         self.mesh = mesh_for(config, devices, self.plan)
+        self.accumulation = accumulation(config, self.mesh)
         checks.check_batch(self.mesh, self.rules, config.train.batch_size,
-                           config.train.grad_accum)  # refuse a batch the mesh cannot split
+                           self.accumulation)  # refuse a batch the mesh cannot split
         self.extensions = {**wire.extensions(config, self.mesh, path_rules), **self.extensions}
         self.gather = wire.gather(config, self.mesh, self.rules, compute_dtype)
         self.is_main = jax.process_index() == 0
@@ -104,9 +106,9 @@ class Trainer:
         self.layout = plan_state(model_fn, self.tx, self.mesh, self.rules, path_rules,
                                  self.extensions, transform)
         checks.warn_idle_axes(self.layout, self.rules, path_rules, say)
-        self.grad_fn = None if self.stages is None else make_pipeline_grad_fn(
-            self.layout.graphdef, block_graphdef(abstract, pipeline), self.mesh, pipeline,
-            self.stages.schedule, self.stages.split,
+        self.executor = None if self.stages is None else PipelineExecutor(
+            self.layout.graphdef, self.mesh, pipeline, self.stages.schedule, self.stages.split)
+        self.grad_fn = None if self.executor is None else self.executor.grad_fn(
             without_data(self.rules) if wire.uses_reducer(config, self.mesh) else self.rules)
         self.state: TrainState | None = None
         self.history: list[dict] = []
@@ -118,13 +120,13 @@ class Trainer:
 
         ``batch``: a global batch (arrays or ShapeDtypeStructs); default ``example_batch``.
         ``jaxmp plan --verify`` and ``jaxmp bench`` measure this same executable. ``warmup``:
-        the program of PowerSGD's uncompressed first steps (``train.powersgd_start``).
+        the program of PowerSGD's uncompressed first steps (``compression.powersgd_start``).
         """
         batch = self.example_batch if batch is None else batch
         if batch is None:
             raise ValueError("Trainer.compile needs a batch (or example_batch at construction)")
         step = make_train_step(self.layout, self.loss_fn, self.tx, self.lr_schedule, batch,
-                               self.config.train.grad_accum, self.rules, self.config.train.seed,
+                               self.accumulation, self.rules, self.config.train.seed,
                                grad_fn=self.grad_fn, gather=self.gather,
                                reducer=wire.reducer(self.config, self.mesh, self.layout,
                                                     self.path_rules, warmup),
@@ -185,9 +187,10 @@ class Trainer:
         step_fn = self.compile(batch)  # the same executable runs the steps and reports its cost
         warm = wire.warmup_steps(cfg, self.mesh)  # PowerSGD's uncompressed first steps
         warm_fn = self.compile(batch, warmup=True) if start_step < warm else None
-        eval_fn = make_eval_step(self.layout, self.loss_fn, batch, self.rules, t.seed,
-                                 grad_fn=self.grad_fn).lower(
-            self.layout.abstract, batch).compile() \
+        eval_fn = make_eval_step(
+            self.layout, self.loss_fn, batch, self.rules, t.seed,
+            pipeline_loss=None if self.executor is None else self.executor.eval_fn(self.rules)
+        ).lower(self.layout.abstract, batch).compile() \
             if self.eval_data is not None and t.eval_every > 0 else None
         peers.align("compiled")  # several processes: all compiled before any program runs
         tokens = batch_tokens(batch)

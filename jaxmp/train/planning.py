@@ -20,8 +20,8 @@ from jaxmp.config import TrainerConfig
 from jaxmp.cost import ModelCost, model_costs
 from jaxmp.errors import ConfigError
 from jaxmp.mesh import make_mesh
-from jaxmp.parallel.schedule import Schedule
-from jaxmp.parallel.stages import StageSplit, split_layers
+from jaxmp.pipeline.schedule import Schedule
+from jaxmp.pipeline.stages import StageSplit, split_layers
 from jaxmp.plan import Plan, plan_for_config
 
 
@@ -60,6 +60,13 @@ def plan_model(config: TrainerConfig, n_devices: int, costs: CostSource,
     plan = plan_for_config(config, cost, n_devices, rules=rules, pipeline=pipeline)
     plan.cost_time_s = costs.seconds
     return plan
+
+
+def accumulation(config: TrainerConfig, mesh: jax.sharding.Mesh) -> int:
+    """Microbatches the step accumulates without pipeline stages (1 for "auto"); with stages
+    the pipeline executor takes ``train.microbatches`` instead and this is 1."""
+    m = config.train.microbatches
+    return 1 if m == "auto" or int(mesh.shape["stage"]) > 1 else int(m)
 
 
 def mesh_for(config: TrainerConfig, devices: Sequence[jax.Device],
@@ -108,20 +115,17 @@ def plan_stages(config: TrainerConfig, mesh: jax.sharding.Mesh, stack: str | Non
     if stack is None:
         raise ConfigError(f"mesh.stage={p}: this model cannot be split into stages (it needs a "
                           f"PipelineSpec: pre, a stacked layer module, post)")
-    if config.train.grad_accum != 1:
-        raise ConfigError(f"train.grad_accum={config.train.grad_accum}: with pipeline stages the "
-                          f"microbatches accumulate; set pipeline.microbatches instead")
     planned = plan is not None and plan.mesh.get("stage", 1) == p and bool(plan.schedule)
     kind = pc.schedule if pc.schedule != "auto" else plan.schedule if planned else "1f1b"
     v = pc.virtual_stages if pc.virtual_stages != "auto" else \
         plan.virtual if planned and kind == plan.schedule else 2 if kind == "interleaved" else 1
-    m = pc.microbatches if pc.microbatches != "auto" else \
+    m = config.train.microbatches if config.train.microbatches != "auto" else \
         plan.microbatches if planned else 2 * p
     schedule = Schedule(kind, p, m, v)
     shards = int(mesh.shape["data"] * mesh.shape["fsdp"])
     rows = config.train.batch_size
     if rows % (m * shards):
-        raise ConfigError(f"train.batch_size={rows} does not split into pipeline.microbatches="
+        raise ConfigError(f"train.batch_size={rows} does not split into train.microbatches="
                           f"{m} x {shards} batch shards (data x fsdp)")
     if pc.balance == "flops":
         cost = costs.get()

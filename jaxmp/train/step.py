@@ -25,9 +25,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmp import sharding
+from jaxmp.compression.gather import WeightGather
+from jaxmp.compression.reduce import Reducer, per_replica, without_data
 from jaxmp.loss import LossFn, call_loss, split_loss
-from jaxmp.parallel.gather import WeightGather
-from jaxmp.parallel.reduce import Reducer, per_replica, without_data
 from jaxmp.train.guard import NonFiniteGuard
 from jaxmp.train.pinning import pin_batch, pinned_layers
 from jaxmp.train.state import StateLayout, TrainState
@@ -61,7 +61,7 @@ def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
     Microbatches are weighted by ``aux["weight"]`` when the loss provides it (token counts), so
     the accumulated step equals the full-batch step even when masks differ between them
     (``keep_weight``: the total stays in ``aux["weight"]``). ``gather``: fsdp weights are
-    gathered in a narrower dtype (:mod:`jaxmp.parallel.gather`).
+    gathered in a narrower dtype (:mod:`jaxmp.compression.gather`).
     """
     graphdef, mesh = layout.graphdef, layout.mesh
 
@@ -139,9 +139,9 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
     """Return the jitted ``step(state, batch) -> (state, metrics)`` with donated state.
 
     ``grad_fn`` replaces the plain gradient (e.g. the pipeline executor's, same contract; built
-    with :func:`~jaxmp.parallel.reduce.without_data` rules when there is a ``reducer``).
+    with :func:`~jaxmp.compression.reduce.without_data` rules when there is a ``reducer``).
     ``reducer``: gradients are computed per data replica and reduced over ``data`` once per
-    step by it (:mod:`jaxmp.parallel.reduce`); without one XLA reduces them where they arise.
+    step by it (:mod:`jaxmp.compression.reduce`); without one XLA reduces them where they arise.
     ``guard`` skips non-finite updates (its counters must be in the layout's ``extra``).
     """
     if reducer is None:
@@ -176,14 +176,15 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
 
 def make_eval_step(layout: StateLayout, loss_fn: LossFn, example_batch: dict,
                    rules: Sequence = sharding.DEFAULT_RULES, seed: int = 0,
-                   grad_fn: Callable | None = None) -> Callable:
+                   pipeline_loss: Callable | None = None) -> Callable:
     """Return the jitted ``eval(state, batch) -> loss``: no state change, the model in
-    evaluation mode (``nnx.Module.eval()``: dropout off). With a ``grad_fn`` (a pipeline) the
-    loss is its loss — it also computes gradients, which are dropped."""
+    evaluation mode (``nnx.Module.eval()``: dropout off). ``pipeline_loss(params, rest, batch)
+    -> loss`` replaces the plain forward under pipeline stages (the executor's forward-only
+    :meth:`~jaxmp.pipeline.executor.PipelineExecutor.eval_fn`, in evaluation mode too)."""
 
     def evaluate(state: TrainState, batch: dict) -> jax.Array:
-        if grad_fn is not None:
-            return grad_fn(state.params, state.rest, batch, step_key(seed, 0, _EVAL_STREAM))[0]
+        if pipeline_loss is not None:
+            return pipeline_loss(state.params, state.rest, batch)
         with sharding.activation_sharding(layout.mesh, rules):
             model = nnx.merge(layout.graphdef, state.params, state.rest, copy=True)
             model.eval()

@@ -1,10 +1,11 @@
 """What a run sends over the wire: its gradient reducer and its weight-gather policy.
 
 The Trainer asks here, from its config and mesh, (1) whether the data-axis gradient reduction
-is taken out of XLA's hands — needed to compress it (``train.grad_compression``) and to reduce
-once per step under gradient accumulation and pipeline stages — and with what state (:mod:`jaxmp.parallel.reduce`),
-and (2) in which dtype fsdp gathers weights (``train.gather_dtype``,
-:mod:`jaxmp.parallel.gather`). With neither, the step is exactly XLA's plain program.
+is taken out of XLA's hands — needed to compress it (``compression.gradients``) and to reduce
+once per step under gradient accumulation and pipeline stages — and with what state
+(:mod:`jaxmp.compression.reduce`),
+and (2) in which dtype fsdp gathers weights (``compression.weights``,
+:mod:`jaxmp.compression.gather`). With neither, the step is exactly XLA's plain program.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jaxmp.config import TrainerConfig
-from jaxmp.parallel.gather import WeightGather, weight_gather
-from jaxmp.parallel.reduce import (STATE_KEY, Compression, Reducer, reduced_after_microbatches,
+from jaxmp.train.planning import accumulation
+from jaxmp.compression.gather import WeightGather, weight_gather
+from jaxmp.compression.reduce import (STATE_KEY, Compression, Reducer, reduced_after_microbatches,
                                    state_extension)
 
 
@@ -25,7 +27,7 @@ def data_size(mesh: Mesh) -> int:
 
 
 def compression_of(config: TrainerConfig) -> Compression:
-    return Compression.from_config(config.train)
+    return Compression.from_config(config.compression)
 
 
 def stages(mesh: Mesh) -> int:
@@ -35,8 +37,8 @@ def stages(mesh: Mesh) -> int:
 def uses_reducer(config: TrainerConfig, mesh: Mesh) -> bool:
     """A reducer is needed to compress, or to accumulate microbatches (or a pipeline's
     chunks) before reducing: once per step instead of once per microbatch."""
-    return reduced_after_microbatches(data_size(mesh), config.train.grad_compression,
-                                      config.train.grad_accum, stages(mesh))
+    return reduced_after_microbatches(data_size(mesh), config.compression.gradients,
+                                      accumulation(config, mesh), stages(mesh))
 
 
 def extensions(config: TrainerConfig, mesh: Mesh, path_rules: Sequence | None) -> dict[str, Any]:
@@ -55,7 +57,7 @@ def reducer(config: TrainerConfig, mesh: Mesh, layout: Any, path_rules: Sequence
     comp = compression_of(config)
     if warmup:
         comp = comp.uncompressed()
-    if comp.kind == "none" and config.train.grad_accum == 1 and stages(mesh) == 1:
+    if comp.kind == "none" and accumulation(config, mesh) == 1 and stages(mesh) == 1:
         return None
     return Reducer(comp, mesh, layout.abstract.params, layout.shardings.params, path_rules)
 
@@ -67,15 +69,15 @@ def warmup_steps(config: TrainerConfig, mesh: Mesh) -> int:
 
 def gather(config: TrainerConfig, mesh: Mesh, rules: Sequence,
            compute_dtype: str | None) -> WeightGather | None:
-    return weight_gather(config.train.gather_dtype, compute_dtype, mesh, rules)
+    return weight_gather(config.compression.weights, compute_dtype, mesh, rules)
 
 
 def summary(config: TrainerConfig, mesh: Mesh, gather_policy: WeightGather | None) -> str:
     """One line for the run's start (empty when nothing is changed from XLA's defaults)."""
-    t, parts = config.train, []
-    if t.grad_compression != "none":
-        parts.append(f"gradients reduced as {t.grad_compression}" if data_size(mesh) > 1 else
-                     f"train.grad_compression={t.grad_compression!r} has no effect without a "
+    kind, parts = config.compression.gradients, []
+    if kind != "none":
+        parts.append(f"gradients reduced as {kind}" if data_size(mesh) > 1 else
+                     f"compression.gradients={kind!r} has no effect without a "
                      f"data axis (mesh.data=1)")
     if gather_policy is not None:
         parts.append(f"fsdp weights gathered as {gather_policy.wire}")

@@ -1,7 +1,7 @@
 """Pipeline schedules — GPipe, 1F1B, interleaved 1F1B — as tick tables, with their closed forms.
 
 One description serves the planner (ticks, bubble, microbatches in flight) and the executor
-(:mod:`jaxmp.train.pipeline`, which runs :meth:`Schedule.program`), so they cannot drift apart;
+(:mod:`jaxmp.pipeline.executor`, which runs :meth:`Schedule.program`), so they cannot drift apart;
 the tests check the closed forms against the simulated tables.
 
 **The model of time.** jaxmp runs a pipeline inside one SPMD program (``jax.shard_map`` over the
@@ -39,9 +39,10 @@ from functools import cached_property
 
 import numpy as np
 
+from jaxmp.config import SCHEDULES
 from jaxmp.errors import ConfigError
 
-KINDS = ("gpipe", "1f1b", "interleaved")
+KINDS = SCHEDULES
 Action = tuple[int, int]  # (microbatch, chunk)
 
 
@@ -99,10 +100,10 @@ class Schedule:
             raise ConfigError(f"pipeline.virtual_stages: only the interleaved schedule uses "
                               f"virtual stages; {self.kind} needs 1, got {v}")
         if self.kind != "gpipe" and p > 1 and m < p:
-            raise ConfigError(f"pipeline.microbatches: {self.kind} needs at least as many "
+            raise ConfigError(f"train.microbatches: {self.kind} needs at least as many "
                               f"microbatches as stages ({p}), got {m}")
         if self.kind == "interleaved" and m % p:
-            raise ConfigError(f"pipeline.microbatches: the interleaved schedule takes "
+            raise ConfigError(f"train.microbatches: the interleaved schedule takes "
                               f"microbatches in groups of the stage count ({p}), got {m}")
 
     # -- closed forms (the planner's) -----------------------------------------------------------

@@ -9,8 +9,8 @@ reduction over ``data`` into jaxmp's hands, in two ``jax.shard_map`` s inside th
    replica, gathers its weights and reduce-scatters over fsdp), accumulating microbatches
    locally; each replica's gradient comes out stacked on a leading ``data`` dim.
 2. :meth:`Reducer.__call__` reduces the stack with every axis manual, so each device works on
-   its own shards with explicit collectives over ``data`` (:mod:`jaxmp.parallel.compress`):
-   ``none`` (float32 all-reduce), ``bf16``, ``int8`` (per-block scales) or ``powersgd``.
+   its own shards with explicit collectives over ``data`` (:mod:`jaxmp.compression.codecs`):
+   ``none`` (float32 all-reduce), ``bfloat16``, ``int8`` (per-block scales) or ``powersgd``.
 
 State the encodings carry between steps lives in ``TrainState.extra["grad_compression"]``
 (:func:`state_extension`): error-feedback residuals, one per data replica and shaped like the
@@ -33,9 +33,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import sharding
-from jaxmp.parallel.compress import DATA, padded_length, powersgd, two_phase_sum
+from jaxmp.config import GRAD_COMPRESSIONS
+from jaxmp.compression.codecs import DATA, padded_length, powersgd, two_phase_sum
 
-KINDS = ("none", "bf16", "int8", "powersgd")
+KINDS = GRAD_COMPRESSIONS
 STATE_KEY = "grad_compression"
 BATCH_NAMES = ("layers", "stage")  # leading dims that index independent matrices
 SCALE_BYTES = 4  # one float32 scale per int8 block
@@ -43,7 +44,7 @@ SCALE_BYTES = 4  # one float32 scale per int8 block
 
 @dataclass(frozen=True)
 class Compression:
-    """What the data-axis reduction sends (``train.grad_compression`` and friends)."""
+    """What the data-axis reduction sends (the ``[compression]`` section's gradient keys)."""
 
     kind: str = "none"
     error_feedback: bool = True
@@ -52,9 +53,10 @@ class Compression:
     start: int = 0  # PowerSGD: steps before this one run the uncompressed program
 
     @classmethod
-    def from_config(cls, train: Any) -> Compression:
-        return cls(train.grad_compression, train.error_feedback, train.int8_block,
-                   train.powersgd_rank, train.powersgd_start)
+    def from_config(cls, section: Any) -> Compression:
+        """From a ``[compression]`` section (:class:`jaxmp.config.CompressionConfig`)."""
+        return cls(section.gradients, section.error_feedback, section.int8_block,
+                   section.powersgd_rank, section.powersgd_start)
 
     @property
     def residual(self) -> bool:
@@ -108,7 +110,7 @@ def reduced_after_microbatches(data: int, kind: str, microbatches: int, stages: 
 def bytes_factor(comp: Compression, params: Sequence[tuple[Sequence[int], Any]]) -> float:
     """Bytes the data-axis reduction sends relative to a float32 all-reduce of the same params
     (``params``: (shape, logical names) of each array). For the planner."""
-    if comp.kind == "bf16":
+    if comp.kind == "bfloat16":
         return 0.5
     if comp.kind == "int8":
         return (1 + SCALE_BYTES / comp.block) / 4

@@ -1,6 +1,6 @@
 """What a pipelined step holds and where its layers sit, in closed form, for the planner.
 
-The executor (:mod:`jaxmp.train.pipeline`) runs :meth:`Schedule.program`, whose buffers are as
+The executor (:mod:`jaxmp.pipeline.executor`) runs :meth:`Schedule.program`, whose buffers are as
 wide as the busiest device needs: every device allocates the same slots (one SPMD program), plus
 one spare slot that idle ticks write to. Building the program is O(ticks x devices) in Python,
 too slow for a planner that weighs thousands of layouts, so the slot counts are given here in
@@ -17,8 +17,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jaxmp.parallel.schedule import Schedule
-from jaxmp.parallel.stages import StageSplit
+from jaxmp.pipeline.schedule import Schedule
+from jaxmp.pipeline.stages import StageSplit
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Everything here runs inside ``jax.shard_map`` with every mesh axis manual: each function sees
 this device's shard of the gradients and talks to the other data replicas with explicit
-collectives over the ``data`` axis. :mod:`jaxmp.parallel.reduce` builds the shard_map around
+collectives over the ``data`` axis. :mod:`jaxmp.compression.reduce` builds the shard_map around
 them.
 
 * :func:`two_phase_sum` — an all-reduce as a reduce-scatter then an all-gather, each moving an
@@ -31,7 +31,7 @@ Payload = tuple[jax.Array, ...]
 
 def encode(x: jax.Array, kind: str, block: int) -> Payload:
     """Encode rows ``x [R, C]`` (float32) for the wire; C is a multiple of ``block``."""
-    if kind == "bf16":
+    if kind == "bfloat16":
         return (jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16),)
     blocks = x.reshape(x.shape[0], -1, block)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
@@ -42,7 +42,7 @@ def encode(x: jax.Array, kind: str, block: int) -> Payload:
 
 def decode(payload: Payload, kind: str, block: int) -> jax.Array:
     """Float32 values of an encoded ``[R, C]`` payload (the inverse of :func:`encode`)."""
-    if kind == "bf16":
+    if kind == "bfloat16":
         return jax.lax.bitcast_convert_type(payload[0], jnp.bfloat16).astype(jnp.float32)
     q, scale = payload
     rows = q.reshape(q.shape[0], -1, block).astype(jnp.float32) * scale[..., None]

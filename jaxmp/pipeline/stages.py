@@ -3,7 +3,7 @@
 A model is pipelined as ``pre`` (e.g. the embedding) → a stack of blocks → ``post`` (e.g. the
 head and the loss); the cost model's per-layer table has the same order (``pre``, every block,
 ``post``). A split cuts that table into ``P·V`` contiguous chunks — by per-layer FLOPs
-(:func:`jaxmp.parallel.balance.balance_stages`), so a chunk that also runs a large-vocabulary
+(:func:`jaxmp.pipeline.balance.balance_stages`), so a chunk that also runs a large-vocabulary
 head gets fewer blocks — or by layer count. Chunk ``c`` runs on device ``c % P``.
 
 Chunks hold different numbers of blocks, but a sharded array must split evenly, so the stacked
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxmp.config import BALANCES
 from jaxmp.errors import ConfigError
-from jaxmp.parallel.balance import InfeasibleError, balance_stages
+from jaxmp.pipeline.balance import InfeasibleError, balance_stages
 
-BALANCES = ("flops", "layers")
 
 
 @dataclass(frozen=True)

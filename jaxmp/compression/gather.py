@@ -30,10 +30,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import sharding
+from jaxmp.config import WEIGHT_GATHERS
 
 FSDP = "fsdp"
 STACK_NAMES = ("layers", "stage")  # leading dims of a layer stack: sliced, not gathered whole
-KINDS = ("auto", "param", "bfloat16", "int8")
+KINDS = WEIGHT_GATHERS
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -129,7 +130,7 @@ def _int8_gather(x: jax.Array, sharded: NamedSharding, gathered: NamedSharding,
 
 def weight_gather(kind: str, compute_dtype: str | None, mesh: Mesh,
                   rules: Sequence) -> WeightGather | None:
-    """The gather policy of ``train.gather_dtype`` (``kind``) on ``mesh``, or None when weights
+    """The gather policy of ``compression.weights`` (``kind``) on ``mesh``, or None when weights
     are gathered as stored: no fsdp axis, ``param``, or ``auto`` with no narrower compute
     dtype known (``compute_dtype``: the model's, e.g. ``model.compute_dtype``)."""
     if kind not in KINDS:

@@ -1,0 +1,83 @@
+"""Which attention kernel the GPT runs: XLA's, or cuDNN's fused (flash) attention on NVIDIA GPUs.
+
+XLA's attention materialises the ``S x S`` scores and probabilities, and the backward pass keeps
+the probabilities: at sequence 8192 that is most of a layer's activation memory. cuDNN's flash
+attention (``jax.nn.dot_product_attention(..., implementation="cudnn")``) computes them tile by
+tile and keeps only the output and one float32 softmax statistic per query row. It runs only on
+NVIDIA GPUs, in bfloat16 / float16, for head dims cuDNN supports, which is what
+:func:`choose_attention` checks. The rule lives here so that the recipe (and the planner, which
+must know whether ``S x S`` arrays exist) ask the same question.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jaxmp.config import ATTENTION_KINDS
+from jaxmp.errors import ConfigError
+
+SETTINGS = ("auto", *ATTENTION_KINDS)
+CUDNN_DTYPES = ("bfloat16", "float16")
+# jax checks head_dim <= 128 (<= 256 on Hopper) against the *local* backend, so a deviceless
+# compile for an H100 on a CPU host only accepts 128: the portable limit.
+CUDNN_MAX_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The implementation the model is built with, and why (for the run's start-up line)."""
+
+    implementation: str  # "xla" | "cudnn"
+    reason: str
+
+    def __str__(self) -> str:
+        return f"attention {self.implementation} ({self.reason})"
+
+
+def device_platform(device: Any) -> str:
+    """``"cuda"`` for an NVIDIA GPU (JAX calls CUDA and ROCm devices both ``"gpu"``), ``"rocm"``
+    for an AMD one, else JAX's platform name (``"cpu"``, ``"tpu"``). Works on the device
+    descriptions of a deviceless topology too."""
+    platform = str(device.platform).lower()
+    if platform in ("gpu", "cuda", "rocm"):
+        amd = platform == "rocm" or str(device.device_kind).upper().startswith("AMD")
+        return "rocm" if amd else "cuda"
+    return platform
+
+
+def cudnn_blocker(platform: str, compute_dtype: str, head_dim: int) -> str | None:
+    """Why cuDNN's flash attention cannot run this model on ``platform``, or None if it can."""
+    if platform != "cuda":
+        return f"no cuDNN on the {platform} backend"
+    if compute_dtype not in CUDNN_DTYPES:
+        return f"cuDNN's flash attention computes in bfloat16 or float16, not {compute_dtype}"
+    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+        return (f"head_dim {head_dim}: cuDNN needs a multiple of 8 up to "
+                f"{CUDNN_MAX_HEAD_DIM}")
+    return None
+
+
+def choose_attention(setting: str, platform: str, compute_dtype: str,
+                     head_dim: int) -> AttentionChoice:
+    """Resolve ``model.attention`` for a model running on ``platform`` (:func:`device_platform`).
+
+    ``"auto"`` takes cuDNN's flash attention wherever it applies (an NVIDIA GPU, 16-bit compute,
+    a supported head dim; causal and grouped-query attention are both supported) and XLA's
+    elsewhere. ``"cudnn"`` where it cannot run is bad input: it would fail at compile time.
+    """
+    if setting not in SETTINGS:
+        raise ConfigError(f"model.attention: expected one of {', '.join(SETTINGS)}, "
+                          f"got {setting!r}")
+    if setting == "xla":
+        return AttentionChoice("xla", "configured")
+    blocker = cudnn_blocker(platform, compute_dtype, head_dim)
+    if setting == "cudnn":
+        if blocker:
+            raise ConfigError(f"model.attention: 'cudnn' cannot run here: {blocker} "
+                              f"(use 'auto' or 'xla')")
+        return AttentionChoice("cudnn", "configured: cuDNN flash attention")
+    if blocker:
+        return AttentionChoice("xla", f"auto: {blocker}")
+    return AttentionChoice("cudnn", f"auto: cuDNN flash attention, {compute_dtype}, "
+                                    f"head_dim {head_dim}")

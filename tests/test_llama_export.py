@@ -111,11 +111,24 @@ def test_numpy_llama_forward_matches_jaxmp(exported):
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("change,field", [("model.activation=gelu", "model.activation"),
-                                          ("model.tie_embeddings=true", "model.tie_embeddings")])
+@pytest.mark.parametrize("change,field", [("model.activation=gelu", "model.activation")])
 def test_non_llama_config_names_the_field(tmp_path, capsys, change, field):
     _, run = _save(tmp_path, LLAMA + [change])
     rc = main(["ckpt", "export", str(run), "--format", "llama", "--out", str(tmp_path / "hf")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and field in err and "Llama" in err, err
     assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
+def test_tied_embeddings_export_as_tie_word_embeddings(tmp_path):
+    """A tied head is Llama's ``tie_word_embeddings``: no lm_head tensor, the same logits."""
+    model, run = _save(tmp_path, LLAMA + ["model.tie_embeddings=true"])
+    out = run / "hf"
+    assert main(["ckpt", "export", str(run), "--format", "llama", "--out", str(out)]) == 0
+    weights, cfg = load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True and "lm_head.weight" not in weights
+    ids = np.random.default_rng(2).integers(0, 128, 16)
+    theirs = llama_logits({**weights, "lm_head.weight": weights["model.embed_tokens.weight"]},
+                          cfg, ids)
+    ours = np.asarray(model(jnp.asarray(ids[None], jnp.int32))[0])
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)

@@ -76,16 +76,19 @@ def _select(records: Mapping[str, Any], what: str, step_dir: Path) -> dict[str, 
 def save(directory: str | os.PathLike, step: int, state: Any, *,
          path_rules: Sequence | None = None, names: Mapping[str, Any] | None = None,
          config_toml: str | None = None, data_state: Mapping[str, Any] | None = None,
-         keep: int | None = None) -> Path:
+         keep: int | None = None, checksums: Mapping[str, str] | None = None) -> Path:
     """Save any state pytree (NNX module or state, TrainState, nested dicts) synchronously.
 
     Call on every process. Logical names come from NNX metadata, then ``path_rules``, then
     ``names`` (``{path: names}``, e.g. :func:`logical_names` of the checkpoint a plain tree was
-    restored from); arrays without names restore replicated. Returns the step's directory.
+    restored from); arrays without names restore replicated. ``checksums``: ``{path: record}``
+    already computed (e.g. on the host while the arrays were built); by default one program
+    computes them on the devices. Returns the step's directory.
     """
     ckdir = Path(directory)
     items = tree.entries(state, path_rules, names)
-    meta = store.make_meta(step, items)
+    meta = store.make_meta(step, items, None if checksums is None
+                           else [checksums[e.path] for e in items])
     run = {"config_toml": config_toml, "plan": None} if config_toml is not None else None
     manager = store.open_manager(ckdir, keep=keep or 2**31 - 1, async_save=False)
     try:

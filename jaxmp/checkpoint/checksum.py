@@ -84,16 +84,35 @@ def checksums(values: Sequence[Any]) -> list[str | None]:
 
 
 def checksum_numpy(a: np.ndarray) -> str | None:
-    """The same checksum for a host array (no device work)."""
+    """The same checksum for a host array (no device work, no array-sized temporaries)."""
     if not _supported(a.dtype):
         return None
-    a = np.ascontiguousarray(a)
-    words = a.astype(np.uint32) if a.dtype == np.bool_ else \
-        a.view(_UINT[a.dtype.itemsize]).astype(np.uint32)
-    words = words.reshape(-1)
-    index = np.arange(1, words.size + 1, dtype=np.uint32)
-    with np.errstate(over="ignore"):
-        return f"{int(words.sum(dtype=np.uint32)):08x}{int((words * index).sum(dtype=np.uint32)):08x}"
+    return from_sums(*block_sums(a, (0,) * a.ndim, a.shape))
+
+
+def block_sums(block: np.ndarray, start: Sequence[int], shape: Sequence[int]) -> tuple[int, int]:
+    """The two sums (mod 2**64) over ``block``, the part of an array of ``shape`` whose first
+    element sits at ``start``. Blocks that tile the array add up, mod 2**32, to its checksum
+    (:func:`from_sums`), so it can be computed on the host while the array is assembled
+    piece by piece, never whole. ``Σ (i+1)·w`` splits over dims: ``i = Σ_d c_d·stride_d``, so
+    it needs only the block's sum and its marginal sums along each dim (no index array)."""
+    words = np.ascontiguousarray(block)
+    words = words.view(np.uint8) if words.dtype == np.bool_ else \
+        words.view(_UINT[words.dtype.itemsize])
+    total = int(words.sum(dtype=np.uint64))
+    weighted, stride = total, 1
+    for d in reversed(range(len(shape))):
+        others = tuple(k for k in range(words.ndim) if k != d)
+        marginal = words.sum(axis=others, dtype=np.uint64) if others else words.astype(np.uint64)
+        coords = int(np.dot(np.arange(words.shape[d], dtype=np.uint64), marginal))
+        weighted += stride * (start[d] * total + coords)
+        stride *= shape[d]
+    return total % 2**64, weighted % 2**64
+
+
+def from_sums(total: int, weighted: int) -> str:
+    """A checksum record from :func:`block_sums` added over an array's blocks."""
+    return f"{total % 2**32:08x}{weighted % 2**32:08x}"
 
 
 def verify(where: str, records: Mapping[str, Mapping[str, Any]], paths: Sequence[str],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from typing import Any
 
 from jaxmp.errors import UsageError
@@ -14,7 +15,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     t = subparsers.add_parser("train", help="train the configured model "
                                             "(default: configs/tiny.toml)")
     add_config_arguments(t)
-    t.add_argument("--run-dir", default="runs/default", help="where outputs go (default %(default)s)")
+    t.add_argument("--run-dir", default="runs/default",
+                   help="where outputs go (default %(default)s); without CONFIG, a run "
+                        "directory that has a config.toml continues with it")
+    t.add_argument("--init-from", default=None, metavar="HF_DIR",
+                   help="start from a Hugging Face Llama / Mistral / Qwen2 folder: imported "
+                        "into the run directory (unless it already has checkpoints), then "
+                        "fine-tuned; its config.json sets [model]")
     t.add_argument("--simulate-devices", type=int, default=None, metavar="N",
                    help="run on N simulated CPU devices (try a mesh on a laptop)")
     t.add_argument("--coordinator", default=None, metavar="HOST:PORT",
@@ -68,6 +75,23 @@ def _init_distributed(args: argparse.Namespace) -> None:
                run_dir=args.run_dir)
 
 
+def _import(hf_dir: str, run_dir: str, config: Any) -> None:
+    """``--init-from``: import into the run directory, unless a rerun finds checkpoints there
+    (then the run resumes, as a rerun of any training command does)."""
+    from jaxmp._util.log import say
+    from jaxmp.checkpoint import store
+    from jaxmp.recipes.hf import import_run
+
+    ckdir = os.path.join(run_dir, "checkpoints")
+    if os.path.isdir(ckdir) and store.complete_steps(store.checkpoints_dir(ckdir)):
+        say(f"jaxmp: {run_dir} already has checkpoints: resuming it (--init-from {hf_dir} is "
+            f"not imported again)")
+        return
+    summary = import_run(hf_dir, run_dir, config, into_existing=True)
+    say(f"jaxmp: imported {hf_dir} ({summary['architecture']}, {summary['tensors']} tensors) "
+        f"in {summary['seconds']:.1f} s")
+
+
 def apply_precision(config: Any) -> None:
     """``xla.matmul_precision`` as jax's default (after ``xla.flags`` reached XLA_FLAGS)."""
     import jax
@@ -88,12 +112,31 @@ def gpu_memory_fraction(config: Any) -> float:
     return PROFILES[name or "H100"].usable_fraction  # an unknown GPU: the GPU profiles' 0.75
 
 
+def _config_path(args: argparse.Namespace) -> str | None:
+    """CONFIG, else the run directory's own config.toml (a run continues as it was set up,
+    e.g. by ``jaxmp ckpt import``), else None (the built-in defaults)."""
+    if args.config is not None:
+        return args.config
+    own = os.path.join(args.run_dir, "config.toml")
+    if os.path.isfile(own):
+        print(f"jaxmp: config from {own} (give a CONFIG to replace it)", file=sys.stderr)
+        return own
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from jaxmp._util.env import (add_xla_flags, limit_malloc_arenas, may_use_gpu,
                                  set_gpu_memory_fraction)
-    from jaxmp.recipes.gpt_config import load_config
 
-    config = load_config(args.config, overrides=args.set or [])
+    path, overrides = _config_path(args), args.set or []
+    if args.init_from is not None:
+        from jaxmp.recipes.hf import hf_config
+
+        config = hf_config(args.init_from, path, overrides)
+    else:
+        from jaxmp.recipes.gpt_config import load_config
+
+        config = load_config(path, overrides=overrides)
     # Orbax reports a failed background write as absl ERROR lines with tracebacks; jaxmp
     # reports it itself, in one line (jaxmp.train.checkpointing).
     logging.getLogger("absl").setLevel(logging.CRITICAL)
@@ -104,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
     add_xla_flags(config.xla.flags)
     _init_distributed(args)
     apply_precision(config)
+    if args.init_from is not None:
+        _import(args.init_from, args.run_dir, config)
     from jaxmp.recipes.gpt import gpt_trainer
 
     trainer = gpt_trainer(config, args.run_dir)

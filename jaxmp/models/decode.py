@@ -3,9 +3,10 @@
 The prompt is run through every layer once (prefill), writing each layer's keys and values into
 a cache as long as the whole sample; then ``lax.fori_loop`` feeds one token at a time, each
 attending to the cache under a causal mask. Everything else is the model's own code — its
-parameters, RMSNorm and MLP modules, :func:`~jaxmp.models.gpt.rope`, the same
-``dot_product_attention`` — so greedy decoding equals an argmax of the full forward pass at
-every step (a test checks it). Prompt, cache and sampling all live in one compiled program.
+parameters, RMSNorm and MLP modules, :meth:`~jaxmp.models.gpt.Attention.qkv` (projections,
+biases, rotary embedding with its scaling), the same ``dot_product_attention`` — so greedy
+decoding equals an argmax of the full forward pass at every step (a test checks it). Prompt,
+cache and sampling all live in one compiled program.
 
 Attention here is always XLA's, whatever the model trains with: a query block attends to a
 cache longer than itself under a rectangular mask, which cuDNN's flash kernel does not take as a
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmp.models.gpt import GPT, Attention, rope
+from jaxmp.models.gpt import GPT, Attention
 
 Cache = tuple[jax.Array, jax.Array]  # keys, values: [layers, batch, length, kv_heads, head_dim]
 
@@ -36,11 +37,8 @@ def _attend(attn: Attention, x: jax.Array, keys: jax.Array, values: jax.Array,
             pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``attn`` on ``x`` (tokens at ``pos``, ``pos + 1``, ...) with one layer's cache."""
     dt = x.dtype
-    q = jnp.einsum("bsd,dhk->bshk", x, attn.q[...].astype(dt))
-    k = jnp.einsum("bsd,dhk->bshk", x, attn.k[...].astype(dt))
-    v = jnp.einsum("bsd,dhk->bshk", x, attn.v[...].astype(dt))
     positions = pos + jnp.arange(x.shape[1])
-    q, k = rope(q, positions), rope(k, positions)
+    q, k, v = attn.qkv(x, positions)  # the model's own projections, biases and rope
     keys = jax.lax.dynamic_update_slice(keys, k, (0, pos, 0, 0))
     values = jax.lax.dynamic_update_slice(values, v, (0, pos, 0, 0))
     visible = jnp.arange(keys.shape[1])[None, :] <= positions[:, None]  # [new, cache length]

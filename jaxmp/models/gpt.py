@@ -42,18 +42,29 @@ class GPTConfig:
     param_dtype: str = "float32"
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # Rotary embedding: base, and Llama 3.1's frequency rescaling ("llama3") for long contexts.
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # "none" | "llama3"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
 
     @property
     def n_params(self) -> int:
         """Parameter count, from the shapes the modules below create."""
         attn = self.d_model * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         mlp = self.d_model * self.mlp_dim * (3 if self.activation == "swiglu" else 2)
-        block = attn + mlp + 2 * self.d_model
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        block = attn + mlp + bias + 2 * self.d_model
         head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
         return self.layers * block + self.vocab_size * self.d_model + head + self.d_model
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6·(matmul params) plus causal attention (fwd+bwd)."""
+        """Training FLOPs per token: 6·(matmul params) plus causal attention (fwd+bwd).
+
+        Biases and norm scales are elementwise, not matmuls: they add no counted FLOPs."""
         attn = self.d_model * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         mlp = self.d_model * self.mlp_dim * (3 if self.activation == "swiglu" else 2)
         # The embedding lookup is a gather, not a matmul; the output head (tied or not) is one.
@@ -69,6 +80,10 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...]
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
+def _bias(shape: tuple[int, ...], names: tuple[str | None, ...], dtype: jnp.dtype) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype), out_sharding=names, eager_sharding=False)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
         self.scale = nnx.Param(jnp.ones((dim,), dtype), out_sharding=("norm",),
@@ -81,10 +96,32 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...]).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
-    """Rotary position embedding over the last axis of ``x`` [batch, seq, heads, head_dim]."""
+def rope_frequencies(half: int, cfg: GPTConfig | None = None) -> jax.Array:
+    """The ``half`` rotary inverse frequencies, float32: ``theta^(-i/half)``, rescaled as
+    Llama 3.1 does when ``cfg.rope_scaling == "llama3"`` (HF's ``_compute_llama3_parameters``):
+    wavelengths beyond ``original_max / low_freq_factor`` are slowed by ``factor``, those
+    below ``original_max / high_freq_factor`` kept, and the band between interpolated."""
+    theta = 10000.0 if cfg is None else cfg.rope_theta
+    freqs = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    if cfg is None or cfg.rope_scaling == "none":
+        return freqs
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old = cfg.rope_original_max_positions
+    wavelen = 2 * math.pi / freqs
+    scaled = jnp.where(wavelen > old / low, freqs / factor, freqs)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x: jax.Array, positions: jax.Array, freqs: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding over the last axis of ``x`` [batch, seq, heads, head_dim].
+
+    The two halves of each head are rotated (HF Llama's ``rotate_half``); ``freqs`` default to
+    base 10000 without scaling (see :func:`rope_frequencies`)."""
     half = x.shape[-1] // 2
-    freqs = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    freqs = rope_frequencies(half) if freqs is None else freqs
     angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # [seq, half]
     sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
@@ -105,17 +142,32 @@ class Attention(nnx.Module):
         # GPT-2's scaled init for projections that write into the residual stream.
         self.o = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"),
                         std / math.sqrt(2 * cfg.layers), pd)
+        if cfg.qkv_bias:  # zero at init; an imported model (Qwen2) brings its own
+            self.q_bias = _bias((h, hd), ("heads", "head_dim"), pd)
+            self.k_bias = _bias((kv, hd), ("kv_heads", "head_dim"), pd)
+            self.v_bias = _bias((kv, hd), ("kv_heads", "head_dim"), pd)
+        self.cfg = cfg
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values of ``x`` at ``positions``, rotary embedding applied (the
+        full forward pass and the KV-cached decode share it)."""
         dt = x.dtype
         q = jnp.einsum("bsd,dhk->bshk", x, self.q[...].astype(dt))
         k = jnp.einsum("bsd,dhk->bshk", x, self.k[...].astype(dt))
         v = jnp.einsum("bsd,dhk->bshk", x, self.v[...].astype(dt))
+        if self.cfg.qkv_bias:
+            q = q + self.q_bias[...].astype(dt)
+            k = k + self.k_bias[...].astype(dt)
+            v = v + self.v_bias[...].astype(dt)
         q = constrain(q, ("batch", "seq", "act_heads", None))
         k = constrain(k, ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
-        positions = jnp.arange(x.shape[1])
-        q, k = rope(q, positions), rope(k, positions)
+        freqs = rope_frequencies(q.shape[-1] // 2, self.cfg)
+        return rope(q, positions, freqs), rope(k, positions, freqs), v
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        q, k, v = self.qkv(x, jnp.arange(x.shape[1]))
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                            implementation=self.implementation)
         out = constrain(out, ("batch", "seq", "act_heads", None))

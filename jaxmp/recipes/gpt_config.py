@@ -42,6 +42,13 @@ class ModelConfig(Section):
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     norm_eps: float = bounded(1e-5, gt=0)
     init_std: float = bounded(0.02, gt=0)
+    rope_theta: float = bounded(10000.0, gt=1)
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_factor: float = bounded(8.0, ge=1)  # the rest: only read with rope_scaling="llama3"
+    rope_low_freq_factor: float = bounded(1.0, gt=0)
+    rope_high_freq_factor: float = bounded(4.0, gt=0)
+    rope_original_max_positions: int = bounded(8192, ge=1)
+    qkv_bias: bool = False
 
     def _validate(self) -> None:
         require(self.vocab_size != 1, "model.vocab_size", "must be 0 (from the data) or >= 2",
@@ -51,6 +58,13 @@ class ModelConfig(Section):
                      f"must be divisible by model.heads={self.heads}", self.d_model)
         require(self.kv_heads <= self.heads and self.heads % self.resolved_kv_heads == 0,
                  "model.kv_heads", f"must divide model.heads={self.heads} (or be 0)", self.kv_heads)
+        require(self.resolved_head_dim % 2 == 0, "model.head_dim",
+                "must be even (the rotary embedding turns pairs of dims)", self.resolved_head_dim)
+        if self.rope_scaling == "llama3":
+            require(self.rope_high_freq_factor > self.rope_low_freq_factor,
+                    "model.rope_high_freq_factor",
+                    f"must be > model.rope_low_freq_factor={self.rope_low_freq_factor}",
+                    self.rope_high_freq_factor)
 
     @property
     def resolved_kv_heads(self) -> int:

@@ -47,6 +47,9 @@ def _barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+PARAMS_ONLY = {"params_only": True}  # what _load returns as the data state of such a checkpoint
+
+
 @dataclass(frozen=True)
 class Resumed:
     """What a resume restores: the train state and the data iterator's state (or None)."""
@@ -61,11 +64,15 @@ class TrainCheckpointer:
 
     def __init__(self, run_dir: str | Path, config: TrainerConfig, layout: Any,
                  path_rules: Sequence | None = None, rules: Sequence | None = None,
-                 before_save: Callable[[Any], None] | None = None):
+                 before_save: Callable[[Any], None] | None = None,
+                 from_params: Callable[[Any], Any] | None = None):
         """``before_save(state)`` runs before every save and may raise to refuse it (the
-        non-finite guard does, for a latched state)."""
+        non-finite guard does, for a latched state). ``from_params(params)`` makes a fresh
+        state around given params: with it, a checkpoint holding only the model's params
+        (``jaxmp ckpt import``) starts the run instead of being refused."""
         self.cfg: CheckpointConfig = config.checkpoint
         self.before_save = before_save
+        self.from_params = from_params
         self.dir = Path(run_dir) / "checkpoints"
         self.layout, self.path_rules, self.rules = layout, path_rules, rules
         self.config_toml = config_to_toml(config)
@@ -113,6 +120,10 @@ class TrainCheckpointer:
             return None
         step, (state, data_state) = found
         self.last_saved = step
+        if data_state is PARAMS_ONLY:
+            say(f"jaxmp: starting from the params of checkpoint step {step} in {self.dir} "
+                f"(fresh optimizer state)")
+            return Resumed(state, None, int(state.step))
         say(f"jaxmp: resuming from checkpoint step {step} in {self.dir}")
         return Resumed(state, data_state, step)
 
@@ -130,6 +141,8 @@ class TrainCheckpointer:
     def _load(self, step_dir: Path) -> tuple[Any, dict | None]:
         meta = store.read_meta(step_dir)
         problem = tree.mismatch(meta["arrays"], self.expected)
+        if problem and self._params_only(meta["arrays"]):
+            return self._load_params(step_dir, meta["arrays"]), PARAMS_ONLY
         if problem:  # the user's config changed: an error, not damage to fall back from
             raise CheckpointError(f"checkpoint {step_dir} does not fit the configured model: "
                                   f"{problem}")
@@ -144,6 +157,21 @@ class TrainCheckpointer:
         state = tree.rebuild(self.layout.abstract, tree.rewrap(flat, meta["arrays"]),
                              self.path_rules)
         return state, store.read_json(step_dir, "data", missing_ok=True)
+
+    def _params_only(self, stored: dict[str, Any]) -> bool:
+        """Does the checkpoint hold exactly the model's params (plain layout, any dtype)?"""
+        params = {p: tree.plain_record(r) for p, r in self.expected.items()
+                  if p.startswith("params/")}
+        return self.from_params is not None and set(stored) == set(params) and all(
+            stored[p].get("rows") is None and stored[p]["shape"] == params[p]["shape"]
+            for p in params)
+
+    def _load_params(self, step_dir: Path, stored: dict[str, Any]) -> Any:
+        placed = tree.shardings_on(stored, self.layout.mesh, self.rules if self.rules is not None
+                                   else sharding.DEFAULT_RULES)
+        flat = tree.flat_paths(store.restore_arrays(step_dir, tree.target(stored, placed),
+                                                    stored))
+        return self.from_params(tree.nest(flat)["params"])
 
     def _damaged(self, step_dir: Path) -> None:
         """Move a damaged step aside so this run can save that step again later."""

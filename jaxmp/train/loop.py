@@ -171,7 +171,9 @@ class Trainer:
         if self.is_main:
             make_dir(self.run_dir, "run directory")  # a path that cannot be one: bad input
         ckpt = TrainCheckpointer(self.run_dir, cfg, self.layout, self.path_rules, self.rules,
-                                 before_save=self.guard.check)  # never save a latched state
+                                 before_save=self.guard.check,  # never save a latched state
+                                 from_params=functools.partial(  # an imported model's params
+                                     init_state, self.layout, self.model_fn, self.tx, t.seed))
         resumed = ckpt.restore() if self.state is None else None  # newest readable checkpoint
         lint = self.lint()
         self._write_run_files(lint)  # only once a checkpoint that does not fit has been refused

@@ -61,9 +61,17 @@ def _split(model: nnx.Module) -> tuple[Any, Any, Any]:
 
 
 def _build(model_fn: ModelFn, tx: optax.GradientTransformation, rngs: nnx.Rngs,
-           extensions: Mapping[str, Extension], transform: Transform | None) -> TrainState:
-    """A fresh state at step 0: the model's params and rest, the optimizer's state, extras."""
+           extensions: Mapping[str, Extension], transform: Transform | None,
+           given: Any = None) -> TrainState:
+    """A fresh state at step 0: the model's params and rest, the optimizer's state, extras.
+
+    ``given``: params as a pure dict (plain layer layout, any float dtype) that replace the
+    random ones, cast to each param's dtype (the random init is then dead code to XLA)."""
     _, params, rest = _split(model_fn(rngs))
+    if given is not None:
+        dtypes = nnx.to_pure_dict(params)
+        nnx.replace_by_pure_dict(params, jax.tree.map(lambda x, like: x.astype(like.dtype),
+                                                      given, dtypes))
     if transform is not None:
         params = transform(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
@@ -89,15 +97,19 @@ def plan_state(model_fn: ModelFn, tx: optax.GradientTransformation, mesh: Mesh,
 
 
 def init_state(layout: StateLayout, model_fn: ModelFn, tx: optax.GradientTransformation,
-               seed: int) -> TrainState:
-    """Create params, optimizer state and extras directly in their shards (inside jit)."""
+               seed: int, params: Any = None) -> TrainState:
+    """Create params, optimizer state and extras directly in their shards (inside jit).
+
+    ``params``: start from these (a pure dict of arrays, e.g. a params-only checkpoint such
+    as an imported Hugging Face model) with a fresh optimizer state, instead of random ones."""
     key = jax.random.key_data(jax.random.key(seed))
     replicated = NamedSharding(layout.mesh, PartitionSpec())
-    init = jax.jit(lambda k: _build(model_fn, tx, nnx.Rngs(jax.random.wrap_key_data(k)),
-                                    layout.extensions, layout.transform),
-                   in_shardings=replicated, out_shardings=layout.shardings)
+    init = jax.jit(lambda k, given: _build(model_fn, tx, nnx.Rngs(jax.random.wrap_key_data(k)),
+                                           layout.extensions, layout.transform, given),
+                   in_shardings=(replicated, jax.tree.map(lambda x: x.sharding, params)),
+                   out_shardings=layout.shardings)
     with sharding.without_eager_sharding():  # traced here: the model is built inside
-        return init(key)
+        return init(key, params)
 
 
 def addressable_bytes(tree: Any) -> int:

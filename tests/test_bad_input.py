@@ -173,8 +173,8 @@ CASES = [
                "pipeline.virtual_stages=2", "train.microbatches=2"),
          2, "1 blocks cannot fill 2 stages x 2 virtual stages"),
     Case("batch not divisible by microbatches x batch shards",
-         train("mesh.data=1", "mesh.stage=2", "model.layers=2", "train.microbatches=3"),
-         2, r"train.batch_size=8 does not split into train.microbatches=3 x 4 batch shards"),
+         train("mesh.data=1", "mesh.stage=2", "model.layers=2", "train.microbatches=4"),
+         2, r"train.batch_size=8 does not split into train.microbatches=4 x 4 batch shards"),
     # -- data
     Case("missing data file", train("data.source=/nonexistent/tokens.bin"), 2,
          "data file not found: /nonexistent/tokens.bin"),

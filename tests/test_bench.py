@@ -95,6 +95,11 @@ def test_a_strategy_that_cannot_run_says_why(bench):
     # pipelines execute: the planner's stages are compiled and measured like the others
     assert stage["status"] == "ok" and stage["step_time_s"] > 0, stage["reason"]
     assert stage["collective_bytes"]["collective-permute"] > 0
+    # measured as each device executed it, and predicted within the others' bounds
+    assert stage["collectives_from"] == "executed"
+    assert abs(stage["predicted"]["rel_err"]["peak_bytes"]) < 0.15, stage["predicted"]
+    assert abs(stage["predicted"]["rel_err"]["collective_bytes_total"]) < 0.10, stage["predicted"]
+    assert stage["layout"]["schedule"] and stage["layout"]["split"]["n_blocks"] == 2
 
 
 def test_writes_table_json_and_charts(bench):

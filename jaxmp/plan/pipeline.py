@@ -128,8 +128,11 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     slots = buffer_slots(schedule)
     residual = lmax * blk["saved"] + k.pre_saved + (0.0 if schedule.folds_last else k.post_saved)
     stash = (slots.res + 1) * residual
+    # A forward's residuals are made as a stack of their own and written into their slot at the
+    # tick's end: the compiled tick holds one chunk's residuals beside the buffer.
+    in_transit = residual
     boundary = (slots.act + 1 + slots.ct + 1 + 2) * k.boundary  # act, ct, the sent y and gx
-    acts = stash + boundary
+    acts = stash + in_transit + boundary
     batch = 2 * ctx.cost.batch_bytes / (data * fsdp)  # the batch, microbatched copy: all stages
 
     # One tick's work: a block's backward, the embedding's, or the folded last chunk.
@@ -176,5 +179,6 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
         comm_hidden_s=hidden,
         working_parts={what: options[what], "a chunk's parameter gradients": chunk_grads},
         activation_parts={f"residuals: {slots.res + 1} slots x {lmax} block(s)": stash,
+                          "a forward's residuals before their slot": in_transit,
                           "boundary buffers (activations, cotangents)": boundary},
         blocks_per_chunk=list(ch.per_chunk))

@@ -98,11 +98,11 @@ def check_batch(sizes: Mapping[str, int], rules: Sequence, batch_size: int,
 def _pipeline_defaults(config: TrainerConfig, stages: int) -> tuple[str, int, int | str]:
     """The schedule, virtual stages and microbatches the config gives, ``"auto"`` resolved the
     way that needs least (what every searched alternative needs at least)."""
-    pc, m = config.pipeline, config.train.microbatches
+    pc = config.pipeline
     kind = "1f1b" if pc.schedule == "auto" else pc.schedule
     virtual = pc.virtual_stages if pc.virtual_stages != "auto" else \
         2 if kind == "interleaved" else 1
-    return kind, int(virtual), m
+    return kind, int(virtual), config.train.microbatches
 
 
 def check_stages(config: TrainerConfig, sizes: Mapping[str, int], pipeline: bool,
@@ -113,15 +113,15 @@ def check_stages(config: TrainerConfig, sizes: Mapping[str, int], pipeline: bool
         return
     if not pipeline:
         raise ConfigError(f"mesh.stage={stages}: {NO_SPEC}")
-    kind, virtual, m = _pipeline_defaults(config, stages)
-    Schedule(kind, stages, m if m != "auto" else max(stages, 1), virtual)  # validates
+    kind, virtual, microbatches = _pipeline_defaults(config, stages)
+    Schedule(kind, stages, microbatches if microbatches != "auto" else stages, virtual)
     if n_blocks is not None:
         split_layers([1.0] * (n_blocks + 2), stages, virtual, "layers")  # enough blocks?
     shards = int(sizes.get("data", 1) * sizes.get("fsdp", 1))
     rows = config.train.batch_size
-    if m != "auto" and rows % (m * shards):
+    if microbatches != "auto" and rows % (microbatches * shards):
         raise ConfigError(f"train.batch_size={rows} does not split into train.microbatches="
-                          f"{m} x {shards} batch shards (data x fsdp)")
+                          f"{microbatches} x {shards} batch shards (data x fsdp)")
 
 
 def make_plan(config: TrainerConfig, cost: ModelCost | None, n_devices: int, *,
@@ -152,10 +152,10 @@ def make_plan(config: TrainerConfig, cost: ModelCost | None, n_devices: int, *,
     if cost is None:
         fixed, complete = _resolved(config.mesh, n_devices), True
     n_blocks = _blocks(cost, stack_blocks)
-    m = config.train.microbatches
+    microbatches = config.train.microbatches
     if complete:
         check_batch(fixed, rules, config.train.batch_size,
-                    m if m != "auto" and fixed.get("stage", 1) == 1 else 1)
+                    microbatches if microbatches != "auto" and fixed.get("stage", 1) == 1 else 1)
         check_stages(config, fixed, pipeline, n_blocks)
     compression = Compression.from_config(config.compression)
     if cost is None:
@@ -168,7 +168,7 @@ def make_plan(config: TrainerConfig, cost: ModelCost | None, n_devices: int, *,
         remats = tuple(cost.layers[0].saved) if auto and cost.layers else (cost.runs_as,)
     pc = config.pipeline
     result = plan(cost, n_devices, profile, rules=rules, fixed=fixed, remats=tuple(remats),
-                  microbatches=m, configured_remat=None if auto else cost.runs_as, top=top,
+                  microbatches=microbatches, configured_remat=None if auto else cost.runs_as, top=top,
                   pipeline=PipelineOptions(pc.schedule, pc.virtual_stages, runnable=pipeline),
                   balance=pc.balance, compression=compression,
                   weights=config.compression.weights, compute_dtype=compute_dtype,
@@ -194,8 +194,8 @@ def _from_config(config: TrainerConfig, sizes: dict[str, int], rules: tuple,
                  remat: str, start: float) -> Plan:
     """The layout without model costs: the config's values and the documented defaults."""
     stages = sizes["stage"]
-    kind, virtual, m = _pipeline_defaults(config, stages)
-    microbatches = int(m) if m != "auto" else 2 * stages if stages > 1 else 1
+    kind, virtual, configured = _pipeline_defaults(config, stages)
+    microbatches = int(configured) if configured != "auto" else 2 * stages if stages > 1 else 1
     split = None
     if stages > 1:
         if config.pipeline.balance == "flops":

@@ -163,23 +163,23 @@ def search(ctx: Context, fixed: Mapping[str, int] | None = None,
         stages = sizes["stage"]
         rows = cost.rows // (sizes["data"] * sizes["fsdp"])
         if stages == 1:
-            layouts = [(m, "", 1, ok) for m, ok in accumulation(rows, microbatches)]
+            layouts = [(count, "", 1, ok) for count, ok in accumulation(rows, microbatches)]
         else:
-            layouts = [(m, kind, v, True)
-                       for m in pipeline_microbatches(stages, rows, microbatches)
-                       for kind, v in schedules(stages, m, ctx.n_blocks, opts)]
+            layouts = [(count, kind, virtual, True)
+                       for count in pipeline_microbatches(stages, rows, microbatches)
+                       for kind, virtual in schedules(stages, count, ctx.n_blocks, opts)]
         if not layouts:
             result.dropped["batch too small for the microbatches"] += 1
             continue
-        for m, kind, v, configured in layouts:
+        for count, kind, virtual, configured in layouts:
             for remat in remats:
-                layout = ctx.layout(sizes, remat, m, kind, v)
+                layout = ctx.layout(sizes, remat, count, kind, virtual)
                 pred = predict(ctx, layout)
                 fits = bool(pred.per_device_bytes <= ctx.memory_limit)
                 remat_ok = configured_remat is None or remat == configured_remat
                 blockers = [] if remat_ok else [f"needs model.remat={remat!r}"]
                 if not configured:
-                    blockers.append(f"needs train.microbatches={m}")
+                    blockers.append(f"needs train.microbatches={count}")
                 if stages > 1 and not opts.runnable:
                     blockers.append(opts.why_not)
                 result.ranked.append(Candidate(layout, pred, fits, tuple(blockers)))

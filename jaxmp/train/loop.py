@@ -96,12 +96,13 @@ class Trainer:
         devices = list(devices if devices is not None else jax.devices())
         abstract = sharding.abstract(lambda: model_fn(nnx.Rngs(0)))
         self.stack_blocks = stack_length(abstract, pipeline)
+        self._model_remat = remat_of(abstract)  # the policy the model was built with
         self.costs = CostSource(model_fn, loss_fn, cost, example_batch, path_rules)
         # The one plan: given (made by the same function), or made here. Everything below
         # builds its layout as is.
         self.plan = plan if plan is not None else plan_run(
             config, len(devices), self.costs, self.rules, pipeline is not None,
-            self.stack_blocks, compute_dtype, remat_of(abstract))
+            self.stack_blocks, compute_dtype, self._model_remat)
         check_plan(self.plan, len(devices), pipeline is not None, self.stack_blocks)
         planned = self.plan.layout
         try:
@@ -127,7 +128,6 @@ class Trainer:
             self.layout.graphdef, block_graphdef(abstract, pipeline), self.mesh, pipeline,
             self.stages.schedule, self.stages.split,
             without_data(self.rules) if self.reducer is not None else self.rules)
-        self._model_remat = remat_of(abstract)
         self.state: TrainState | None = None
         self.history: list[dict] = []
         self._batch_spec = None

@@ -123,3 +123,24 @@ def test_a_conditional_counts_one_branch_and_a_run_counts_what_ran(tmp_path):
     assert executed == pytest.approx(static)
     assert sum(executed.values()) == pytest.approx(stats.total_bytes / 2)
     assert np.isfinite(executed["all-gather"])
+
+
+def test_without_costs_the_config_with_its_defaults():
+    """No model costs (research code without an example batch): the same function fills the
+    layout from the config — data parallel for an all-auto mesh, 2 x stages microbatches,
+    1f1b — with no predictions; `pipeline.balance = "flops"` needs costs."""
+    from jaxmp import TrainerConfig
+    from jaxmp.errors import ConfigError
+    from jaxmp.plan import make_plan
+
+    plain = make_plan(load_config(None, [], schema=TrainerConfig), None, 8)
+    assert plain.mesh == {"data": 8, "stage": 1, "fsdp": 1, "tensor": 1}
+    assert plain.predicted is None and plain.microbatches == 1 and not plain.schedule
+    piped = make_plan(load_config(None, ["mesh.stage=2", "mesh.data=4",
+                                         "pipeline.balance=layers"], schema=TrainerConfig),
+                      None, 8, stack_blocks=4)
+    assert (piped.schedule, piped.virtual, piped.microbatches) == ("1f1b", 1, 4)
+    assert piped.layout.split.per_chunk == [2, 2] and piped.layout.reduce_after_microbatches
+    with pytest.raises(ConfigError, match="pipeline.balance"):
+        make_plan(load_config(None, ["mesh.stage=2", "mesh.data=4"], schema=TrainerConfig),
+                  None, 8, stack_blocks=4)

@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from jaxmp.cost import xla_layer_check
-    from jaxmp.plan import plan_for_config
-    from jaxmp.recipes.gpt import gpt_costs, gpt_trainer
+    from jaxmp.recipes.gpt import gpt_costs, gpt_plan, gpt_trainer
     from jaxmp.recipes.gpt_config import CONFIG_DIR, load_config
     from jaxmp.tools.verify import verify_prediction
 
@@ -86,11 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         axes = MESHES[name]
         fixed = [f"mesh.{a}={axes.get(a, 1)}" for a in ("data", "stage", "fsdp", "tensor")]
         config = load_config(None, args.set + fixed)
-        plan = plan_for_config(config, gpt_costs(config, (config.model.remat,)), 8,
-                               device_kind="CPU", strict=True)
+        plan = gpt_plan(config, 8, "CPU", strict=True)
         v = verify_prediction(
             lambda d, c=config, p=plan: gpt_trainer(c, devices=d, with_data=False, plan=p),
-            plan.mesh, plan.predicted, jax.devices())
+            plan, jax.devices())
         cells = [f"{v[k]['predicted'] / 2**20:.2f} / {v[k]['compiled'] / 2**20:.2f} MiB / "
                  f"{v[k]['rel_err']:.1%}" for k in ("argument_bytes", "peak_bytes",
                                                     "comm_bytes_per_step")]

@@ -15,8 +15,6 @@ import time
 
 def main() -> int:
     from jaxmp._util.fmt import fmt_bytes, fmt_time, mesh_str
-    from jaxmp.plan.render import describe_plan
-    from jaxmp.plan.search import describe
     from jaxmp.recipes.gpt import gpt_costs, gpt_plan
     from jaxmp.recipes.published import GPT3_175B, RUNS, evaluate
     from jaxmp.recipes.gpt_config import load_config
@@ -28,12 +26,12 @@ def main() -> int:
         start = time.perf_counter()
         ev = evaluate(run)
         g, p = ev.given, ev.plan
-        mem = (f"{fmt_bytes(g.prediction.per_device_bytes)} of "
+        mem = (f"{fmt_bytes(g.predicted.per_device_bytes)} of "
                f"{fmt_bytes(p.memory_limit)}: {'fits' if g.fits else 'DOES NOT FIT'}")
-        step = f"{fmt_time(g.prediction.step_time_s)} ({ev.error:+.0%})"
+        step = f"{fmt_time(g.predicted.step_time_s)} ({ev.error:+.0%})"
         print(f"| {run.name} | {run.devices} x {run.device} | {run.published}: "
-              f"{fmt_time(run.step_time_s)} per step | {mesh_str(g.mesh)}, {describe(g.layout)}"
-              f": {mem} | {step} | {mesh_str(p.mesh)}, {describe_plan(p)} "
+              f"{fmt_time(run.step_time_s)} per step | {mesh_str(g.mesh)}, {g.describe()}"
+              f": {mem} | {step} | {mesh_str(p.mesh)}, {p.describe()} "
               f"({'fits' if p.fits else 'DOES NOT FIT'}) | "
               f"{fmt_time(p.predicted.step_time_s)} |", flush=True)
         print(f"{run.name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
@@ -42,7 +40,7 @@ def main() -> int:
     gpt_costs(config)
     p = gpt_plan(config, 1024, device_kind="H100")
     print(f"\nGPT-3 175B, batch 1536 x 2048, 1024 x H100 (75 % of memory usable): "
-          f"{mesh_str(p.mesh)}, {describe_plan(p)}: {fmt_bytes(p.predicted.per_device_bytes)} "
+          f"{mesh_str(p.mesh)}, {p.describe()}: {fmt_bytes(p.predicted.per_device_bytes)} "
           f"per device ({'fits' if p.fits else 'DOES NOT FIT'}), step "
           f"{fmt_time(p.predicted.step_time_s)}; planned in {p.planning_time_s:.1f} s "
           f"({time.perf_counter() - start:.1f} s with the cost model)")

@@ -31,7 +31,7 @@ MODELS = {
 def bench(name: str, steps: int, warmup: int) -> Path:
     out = OUT / name
     sets = [x for s in MODELS[name] for x in ("--set", s)]
-    cmd = [sys.executable, "-m", "jaxmp.cli", "bench", "--devices", "8", "--strategies",
+    cmd = [sys.executable, "-m", "jaxmp.cli", "bench", "--simulate-devices", "8", "--strategies",
            STRATEGIES, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out), *sets]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)

@@ -95,6 +95,11 @@ def test_a_strategy_that_cannot_run_says_why(bench):
     # pipelines execute: the planner's stages are compiled and measured like the others
     assert stage["status"] == "ok" and stage["step_time_s"] > 0, stage["reason"]
     assert stage["collective_bytes"]["collective-permute"] > 0
+    # measured as each device executed it, and predicted within the others' bounds
+    assert stage["collectives_from"] == "executed"
+    assert abs(stage["predicted"]["rel_err"]["peak_bytes"]) < 0.15, stage["predicted"]
+    assert abs(stage["predicted"]["rel_err"]["collective_bytes_total"]) < 0.10, stage["predicted"]
+    assert stage["layout"]["schedule"] and stage["layout"]["split"]["n_blocks"] == 2
 
 
 def test_writes_table_json_and_charts(bench):
@@ -136,7 +141,7 @@ def test_strategy_names():
     (["--strategies", "data=x"], "data=x"),
     (["--strategies", "rows=2"], "'rows'"),
     (["--steps", "0"], "--steps"),
-    (["--devices", "64"], "--devices 64"),
+    (["--devices", "64"], "--simulate-devices 64"),
 ])
 def test_bad_input_is_one_line(argv, needle):
     assert len(jax.devices()) == 8  # started: --devices cannot ask XLA for more any more
@@ -146,9 +151,9 @@ def test_bad_input_is_one_line(argv, needle):
 
 
 def test_devices_are_simulated_before_jax_starts(tmp_path):
-    """A fresh process: --devices 2 gives the CPU backend two devices."""
+    """A fresh process: --simulate-devices 2 gives the CPU backend two devices."""
     env = {**os.environ, "XLA_FLAGS": ""}
-    r = subprocess.run([sys.executable, "-m", "jaxmp.cli", "bench", "--devices", "2",
+    r = subprocess.run([sys.executable, "-m", "jaxmp.cli", "bench", "--simulate-devices", "2",
                         "--strategies", "fsdp", "--steps", "1", "--warmup", "0", "--json",
                         "--set", "model.layers=1", "--set", "model.d_model=32",
                         "--set", "train.batch_size=4", "--set", "data.seq_len=16"],
@@ -185,8 +190,9 @@ def test_any_model_can_be_benched():
                "y": jax.ShapeDtypeStruct((16, 32), np.float32)}
     config = jaxmp.load_config(None, ["train.steps=4"], schema=jaxmp.TrainerConfig)
     result = run_bench(
-        config, lambda cfg, devs: jaxmp.Trainer(cfg, lambda rngs: MLP(rngs), loss_fn, None,
-                                                devices=devs, example_batch=example),
+        config, lambda cfg, devs, plan: jaxmp.Trainer(cfg, lambda rngs: MLP(rngs), loss_fn, None,
+                                                      devices=devs, example_batch=example,
+                                                      plan=plan),
         parse_strategies("dp,fsdp,data=5"), jax.devices()[:8], steps=1, warmup=0)
     dp, fsdp, bad = result.rows
     assert dp.status == fsdp.status == "ok" and bad.status == "not run"

@@ -25,7 +25,7 @@ from jaxmp.hlo import collective_stats, partitioned_text
 from jaxmp.models import lm_loss
 from jaxmp.compression.reduce import (STATE_KEY, Compression, Reducer, bytes_factor, matrix_view,
                                    state_extension)
-from jaxmp.plan import plan_for_config
+from jaxmp.plan import make_plan
 from jaxmp.recipes.gpt import gpt_costs, gpt_trainer, lm_batches
 from jaxmp.train.loop import Trainer
 from jaxmp.train.optimizer import make_optimizer, make_schedule
@@ -159,7 +159,7 @@ def test_planner_predicts_the_bytes_the_step_sends(sets, tolerance):
     compiled data8 step, whose only collectives are the gradient reduction."""
     sets = ("mesh.data=8",) + sets
     config = jaxmp.load_config(None, GPT + list(sets))
-    predicted = plan_for_config(config, gpt_costs(config), N).predicted.comm_bytes
+    predicted = make_plan(config, gpt_costs(config), N).predicted.comm_bytes
     assert predicted["data"] == pytest.approx(_bytes(*sets), rel=tolerance)
 
 

@@ -336,7 +336,7 @@ def test_bad_pipeline_settings_are_one_line_errors(tmp_path):
             "train.microbatches=4"): "model.layers",
            ("mesh.stage=2", "train.microbatches=32"): "train.batch_size"}
     for extra, key in bad.items():
-        with pytest.raises(ConfigError, match=key) as e:
+        with pytest.raises(ConfigError, match=key) as e:  # refused by the config or the plan
             config = jaxmp.load_config(None, BASE + list(extra))
             gpt_trainer(config, tmp_path, with_data=False, devices=jax.devices()[:int(
                 extra[0].split("=")[1])])

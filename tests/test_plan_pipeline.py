@@ -17,9 +17,9 @@ from jaxmp.errors import PlanError
 from jaxmp.pipeline.footprint import buffer_slots, chunk_ranges, fold, stack_span
 from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import split_layers
-from jaxmp.plan import Context, Layout, plan, plan_for_config, predict
-from jaxmp.plan.pipeline import stage_split
-from jaxmp.recipes.gpt import gpt_costs, gpt_trainer
+from jaxmp.plan import Context, plan, predict
+from jaxmp.plan.pipeline import chunks
+from jaxmp.recipes.gpt import gpt_costs, gpt_plan, gpt_trainer
 
 SMALL = ["model.layers=4", "model.d_model=64", "model.heads=8", "model.vocab_size=256",
          "train.batch_size=16", "data.seq_len=32"]
@@ -90,8 +90,7 @@ def test_predicted_bubble_is_the_tick_tables(heavy):
     config, cost = heavy
     ctx = Context(cost, profile_for("H100"), 8)
     for kind, v, m in (("1f1b", 1, 2), ("1f1b", 1, 8), ("interleaved", 2, 4), ("gpipe", 1, 4)):
-        layout = Layout((("data", 4), ("stage", 2), ("fsdp", 1), ("tensor", 1)), "none", m,
-                        kind, v)
+        layout = ctx.layout({"data": 4, "stage": 2, "fsdp": 1, "tensor": 1}, "none", m, kind, v)
         pred = predict(ctx, layout)
         sched = Schedule(kind, 2, m, v)
         pipeline = pred.compute_s + pred.bubble_s + pred.comm_s["tensor"]
@@ -101,9 +100,9 @@ def test_predicted_bubble_is_the_tick_tables(heavy):
         assert sched.lockstep_time([pace / 3] * sched.chunks,
                                    [2 * pace / 3] * sched.chunks) == pytest.approx(pipeline)
         # ... and the real, uneven chunks never take longer than the planner says.
-        ch = stage_split(ctx, "none", 2, v)
-        a = ctx.arrays("none", 4, 1, 1, m)
-        times = [float(a["mb_time"][x:y].sum()) for x, y in zip(ch.starts, ch.ends)]
+        ch = chunks(ctx, layout.split)
+        table = ctx.table("none", 4, 1, 1, m)
+        times = [float(table.time[x:y].sum()) for x, y in zip(ch.starts, ch.ends)]
         exact = sched.lockstep_time([t / 3 for t in times], [2 * t / 3 for t in times])
         assert exact <= pipeline * (1 + 1e-9)
         assert pred.comm_bytes["stage"] >= sched.n_ticks * 2 * cost.layers[1].input_bytes / (
@@ -115,26 +114,27 @@ def test_planner_ranks_schedule_memory_as_compiled():
     1F1B's and interleaved's: the planner predicts the same order."""
     config = _config("model.layers=8", "model.heads=4", "data.source=synthetic", base=SMALL)
     ctx = Context(gpt_costs(config, ("none",)), CPU, 4)
-    mesh = (("data", 1), ("stage", 4), ("fsdp", 1), ("tensor", 1))
-    acts = {kind: predict(ctx, Layout(mesh, "none", 8, kind, v)).per_device_bytes
+    mesh = {"data": 1, "stage": 4, "fsdp": 1, "tensor": 1}
+    acts = {kind: predict(ctx, ctx.layout(mesh, "none", 8, kind, v)).per_device_bytes
             for kind, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))}
     assert acts["1f1b"] < acts["gpipe"] and acts["interleaved"] < acts["gpipe"], acts
 
 
 def test_plan_stages_are_what_the_trainer_runs(heavy):
     """A pipeline plan handed to the Trainer: same schedule, virtual stages, microbatches and
-    chunk boundaries (nothing compiled)."""
+    chunk boundaries, read back from what it built (nothing compiled)."""
     config, cost = heavy
-    p = plan_for_config(config, cost, 8, device_kind="H100", strict=True)
+    p = gpt_plan(config, 8, "H100", strict=True)
     assert p.mesh["stage"] == 2 and p.runnable and p.schedule in ("1f1b", "interleaved")
-    explicit = replace(config, mesh=dict(p.mesh))  # as `jaxmp plan --verify` builds it
-    trainer = gpt_trainer(explicit, devices=jax.devices()[:8], with_data=False, plan=p)
+    trainer = gpt_trainer(config, devices=jax.devices()[:8], with_data=False, plan=p)
+    built = trainer.executed_layout()
+    assert built == p.layout, built.differences(p.layout)
     st = trainer.stages
     assert (st.schedule.kind, st.schedule.virtual, st.schedule.microbatches) == (
         p.schedule, p.virtual, p.microbatches)
     ctx = Context(cost, p.device, 8)
-    ch = stage_split(ctx, "none", 2, p.virtual)
-    assert list(st.split.per_chunk) == p.predicted.blocks_per_chunk == list(ch.per_chunk)
+    ch = chunks(ctx, ctx.split("none", 2, p.virtual))
+    assert list(built.split.per_chunk) == p.predicted.blocks_per_chunk == list(ch.per_chunk)
 
 
 def test_remat_auto_builds_the_plans_policy():
@@ -152,20 +152,23 @@ def test_remat_auto_builds_the_plans_policy():
     assert need["full"] < need["none"]
     tight = DeviceProfile("tight", 1e12, (need["full"] + need["none"]) / 2, 1e11, 1e10,
                           usable_fraction=1.0)
-    chosen = plan(cost, 8, tight, fixed={"fsdp": 8}, configured_remat=None)
+    chosen = plan(cost, 8, tight, fixed={"fsdp": 8}, configured_remat=None, microbatches=1)
     assert chosen.fits and chosen.runnable and chosen.remat != "none"
+    # With microbatches "auto" too, accumulating is the other way to fit: either fits.
+    either = plan(cost, 8, tight, fixed={"fsdp": 8}, configured_remat=None)
+    assert either.fits and (either.remat != "none" or either.microbatches > 1)
 
 
 def test_schedule_and_microbatches_are_searched():
     config = _config("mesh.stage=2", "mesh.data=4", base=HEAVY_HEAD)
     cost = gpt_costs(config, ("none",))
-    p = plan_for_config(config, cost, 8, device_kind="H100", strict=True)
-    seen = {(c.layout.schedule, c.layout.virtual, c.layout.microbatches) for c in p.candidates}
+    p = gpt_plan(config, 8, "H100", strict=True)
+    seen = {(c.layout.schedule, c.layout.virtual_stages, c.layout.microbatches)
+            for c in p.candidates}
     assert {k for k, _, _ in seen} == {"1f1b", "interleaved"}
     assert {v for _, v, _ in seen} >= {1, 2, 3}
-    fixed = plan_for_config(_config("mesh.stage=2", "mesh.data=4", "pipeline.schedule=gpipe",
-                                    "train.microbatches=4", base=HEAVY_HEAD), cost, 8,
-                            device_kind="H100", strict=True)
+    fixed = gpt_plan(_config("mesh.stage=2", "mesh.data=4", "pipeline.schedule=gpipe",
+                             "train.microbatches=4", base=HEAVY_HEAD), 8, "H100", strict=True)
     assert {(c.layout.schedule, c.layout.microbatches) for c in fixed.candidates} == {
         ("gpipe", 4)}
 
@@ -187,14 +190,19 @@ def test_compare_cli(capsys):
             argv += ["--set", s]
         return main(argv)
 
-    assert run("data=2,stage=2,tensor=2,schedule=1f1b") == 0
-    out = capsys.readouterr().out
+    assert run("mesh.data=2,mesh.stage=2,mesh.tensor=2,pipeline.schedule=1f1b") == 0
+    captured = capsys.readouterr()
+    out = captured.out
     assert "given: data=2 x stage=2 x tensor=2" in out and "given - chosen" in out
     for term in ("params", "activations", "working", "compute", "bubble", "data (shown)"):
         assert term in out
-    assert run("data=2,colour=3") == 2
-    assert run("data=3") == 2
-    assert run("data") == 2
+    assert not captured.err.strip()
+    assert run("data=2,stage=2,tensor=2,schedule=1f1b") == 0  # the old keys, deprecated
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "deprecated" in err[0] and "mesh.data" in err[0], err
+    assert run("mesh.data=2,mesh.colour=3") == 2
+    assert run("mesh.data=3") == 2
+    assert run("mesh.data") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and "colour" in err[0] and "data=3" in err[1] and "KEY=VALUE" in err[2]
 
@@ -208,7 +216,7 @@ def test_pipeline_options_errors():
 def test_verify_a_pipeline_plan(capsys):
     """`jaxmp plan --verify` compiles the pipeline executor on 8 CPU devices: argument bytes
     exact; peak within 30 % (the CPU program's); collectives reported as compiled."""
-    argv = ["plan", "--devices", "8", "--verify", "--json"]
+    argv = ["plan", "--devices", "8", "--simulate-devices", "8", "--verify", "--json"]
     for s in SMALL + ["mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1",
                       "pipeline.schedule=1f1b", "train.microbatches=2"]:
         argv += ["--set", s]
@@ -220,6 +228,7 @@ def test_verify_a_pipeline_plan(capsys):
     assert v["peak_bytes"]["rel_err"] < 0.30, v
     assert v["comm_bytes_per_step"]["compiled"] > 0 and np.isfinite(
         v["comm_bytes_per_step"]["predicted"])
+    assert v["layout"] == "as planned"
 
 
 def test_pipeline_keeps_the_remat_policy():

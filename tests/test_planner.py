@@ -14,13 +14,13 @@ import pytest
 from jaxmp import load_config
 from jaxmp.cli import main
 from jaxmp.devices import DeviceProfile, match_kind, profile_for, profile_from_config
-from jaxmp.errors import PlanError, UnknownDeviceError
-from jaxmp.plan import InfeasibleError, balance_stages, plan, plan_for_config, stage_sums
+from jaxmp.errors import ConfigError, PlanError, UnknownDeviceError
+from jaxmp.plan import InfeasibleError, balance_stages, make_plan, plan, stage_sums
 from jaxmp.plan.render import render
 from jaxmp.plan.search import factorisations
 from jaxmp.recipes.gpt import gpt_costs, gpt_plan, gpt_trainer
 from jaxmp.tools.verify import verify_prediction
-from jaxmp.train.planning import CostSource, plan_model
+from jaxmp.train.planning import CostSource
 
 # Small model, 8-divisible dims: fast to trace and to compile on 8 simulated devices.
 SMALL = ["model.layers=2", "model.d_model=64", "model.heads=8", "model.vocab_size=256",
@@ -116,9 +116,14 @@ def test_factorisations():
     assert fixed and all(f["tensor"] == 2 and f["stage"] == 1 for f in fixed)
 
 
+def _gpt_plan(config, n, device_kind="CPU"):  # as `jaxmp plan` plans: every policy ranked
+    return gpt_plan(config, n, device_kind, remats=("none", "save_dots", "full"), strict=True,
+                    measure_cpu=True)
+
+
 @pytest.fixture(scope="module")
 def small_plan():
-    return gpt_plan(_config(), 8, device_kind="CPU")
+    return _gpt_plan(_config(), 8)
 
 
 def test_plan_json_shape(small_plan):
@@ -133,7 +138,7 @@ def test_plan_json_shape(small_plan):
     assert out["planning_time_s"] > 0 and out["alternatives"]
     assert all(alt["reason"] for alt in out["alternatives"])
     assert "blocks/mlp/up" in out["param_specs"]
-    fsdp = gpt_plan(_config("mesh.fsdp=8"), 8, device_kind="CPU")  # the choice is load-dependent
+    fsdp = _gpt_plan(_config("mesh.fsdp=8"), 8)  # the choice is load-dependent
     assert fsdp.param_specs["blocks/mlp/up"] == [None, "fsdp"]  # (layers, embed, mlp)
     assert [layer["name"] for layer in out["layers"]][:2] == ["pre", "blocks/0"]
 
@@ -152,10 +157,10 @@ def test_pipeline_candidates_are_runnable(small_plan):
 
 
 def test_explicit_axes_are_constraints():
-    p = gpt_plan(_config("mesh.fsdp=4"), 8, device_kind="CPU")
+    p = _gpt_plan(_config("mesh.fsdp=4"), 8)
     assert p.mesh["fsdp"] == 4
-    with pytest.raises(PlanError):
-        gpt_plan(_config("mesh.tensor=3"), 8, device_kind="CPU")
+    with pytest.raises(ConfigError):  # no layout of 8 devices has tensor=3
+        _gpt_plan(_config("mesh.tensor=3"), 8)
 
 
 def test_tight_memory_picks_sharding_over_replication():
@@ -195,8 +200,9 @@ def test_the_trainers_auto_mesh_is_runnable_and_respects_the_config():
     assert trainer.plan is not None and trainer.plan.runnable and mesh == trainer.plan.mesh
     assert mesh["stage"] == 1 and mesh["data"] * mesh["fsdp"] * mesh["tensor"] == 8
     explicit = gpt_trainer(_config("mesh.tensor=2", "mesh.data=-1"), devices=jax.devices()[:8],
-                           with_data=False)
-    assert explicit.plan is None and explicit.mesh.shape["tensor"] == 2
+                           with_data=False)  # spelled out (-1 fills): the plan keeps it
+    assert explicit.plan.mesh == {"data": 4, "stage": 1, "fsdp": 1, "tensor": 2}
+    assert explicit.mesh.shape["tensor"] == 2
 
 
 def test_any_model_plans():
@@ -212,7 +218,8 @@ def test_any_model_plans():
             return x
 
     batch = jax.ShapeDtypeStruct((32, 64), jax.numpy.float32)
-    p = plan_model(load_config(), 8, CostSource(lambda rngs: Net(rngs), None, example_batch=batch))
+    p = make_plan(load_config(), CostSource(lambda rngs: Net(rngs), None,
+                                            example_batch=batch).get(), 8)
     assert p.runnable and p.mesh["stage"] == 1
     assert [lay["name"] for lay in p.layers][1:5] == [f"layers/{i}" for i in range(4)]
     assert "layers/0/kernel" in p.param_specs
@@ -270,10 +277,11 @@ def test_predictions_match_the_compiled_step(axes):
     assert len(jax.devices()) >= 8
     fixed = [f"mesh.{a}={axes.get(a, 1)}" for a in ("data", "stage", "fsdp", "tensor")]
     config = _config(*fixed)
-    p = plan_for_config(config, gpt_costs(config, ("none",)), 8, device_kind="CPU", strict=True)
+    p = gpt_plan(config, 8, "CPU", strict=True)
     assert {k: v for k, v in p.mesh.items() if v > 1} == axes
-    v = verify_prediction(lambda d: gpt_trainer(config, devices=d, with_data=False), p.mesh,
-                          p.predicted, jax.devices())
+    v = verify_prediction(lambda d: gpt_trainer(config, devices=d, with_data=False, plan=p), p,
+                          jax.devices())
+    assert v["layout"] == "as planned"
     assert v["argument_bytes"]["rel_err"] < 0.05, v
     assert v["peak_bytes"]["rel_err"] < 0.15, v
     assert v["comm_bytes_per_step"]["rel_err"] < 0.10, v

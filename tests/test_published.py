@@ -28,15 +28,15 @@ def evaluation(request):
 
 def test_published_layout_fits(evaluation):
     g = evaluation.given
-    assert g.fits, (evaluation.run.name, g.prediction.per_device_bytes)
-    assert g.mesh == {a: int(evaluation.run.layout.get(a, 1))
+    assert g.fits, (evaluation.run.name, g.predicted.per_device_bytes)
+    assert g.mesh == {a: int(evaluation.run.layout.get(f"mesh.{a}", 1))
                       for a in ("data", "stage", "fsdp", "tensor")}
 
 
 def test_chosen_plan_fits_and_is_no_slower(evaluation):
     p = evaluation.plan
     assert p.fits and p.runnable
-    assert p.predicted.step_time_s <= evaluation.given.prediction.step_time_s * (1 + 1e-9)
+    assert p.predicted.step_time_s <= evaluation.given.predicted.step_time_s * (1 + 1e-9)
 
 
 def test_published_step_time(evaluation, request):
@@ -51,7 +51,7 @@ def test_1t_reduces_over_data_once_per_step():
     Megatron's do — not at each of the V x M = 1024 chunks' backward passes."""
     run = next(r for r in RUNS if "1T" in r.name)
     g = evaluate(run).given
-    p, d = g.prediction, g.mesh["data"]
+    p, d = g.predicted, g.mesh["data"]
     once = 2 * (d - 1) / d * p.param_bytes  # this device's stack rows and shared params, once
     assert 0.5 * once < p.comm_bytes["data"] <= once * (1 + 1e-9)
     assert p.comm_s["data"] < 0.01 * run.step_time_s
@@ -60,6 +60,6 @@ def test_1t_reduces_over_data_once_per_step():
 def test_gpt3_175b_on_1024_h100_fits():
     config = load_config(None, list(GPT3_175B))
     gpt_costs(config)
-    p = gpt_plan(config, 1024, device_kind="H100")
+    p = gpt_plan(config, 1024, "H100")
     assert p.fits and p.runnable
     assert p.predicted.per_device_bytes <= p.memory_limit == 0.75 * 80 * 2**30

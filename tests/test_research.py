@@ -19,7 +19,8 @@ import jaxmp
 from jaxmp import rules
 from jaxmp.checkpoint.records import flat_paths
 from jaxmp.hlo import collective_stats
-from jaxmp.train.planning import CostSource, plan_model
+from jaxmp.plan import make_plan
+from jaxmp.train.planning import CostSource
 from helpers import Recorder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,11 +169,10 @@ def test_path_rules_reach_the_planner():
     def model_fn(rngs):
         return tc.ConvNet(rngs=rngs)
 
-    named = plan_model(config, 8, CostSource(model_fn, tc.classification_loss,
-                                             example_batch=example, path_rules=tc.PATH_RULES),
-                       rules=tc.RULES)
-    bare = plan_model(config, 8, CostSource(model_fn, tc.classification_loss,
-                                            example_batch=example), rules=tc.RULES)
+    named = make_plan(config, CostSource(model_fn, tc.classification_loss, example_batch=example,
+                                         path_rules=tc.PATH_RULES).get(), 8, rules=tc.RULES)
+    bare = make_plan(config, CostSource(model_fn, tc.classification_loss,
+                                        example_batch=example).get(), 8, rules=tc.RULES)
     assert named.param_specs["conv2/kernel"] != [] and bare.param_specs["conv2/kernel"] == []
 
 

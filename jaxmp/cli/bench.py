@@ -1,7 +1,8 @@
-"""``jaxmp bench [CONFIG] [--devices N] [--strategies a,b,...] [--steps K] [--json] [--out DIR]``.
+"""``jaxmp bench [CONFIG] [--devices N] [--simulate-devices N] [--strategies a,b,...]
+[--steps K] [--json] [--out DIR]``.
 
-``--devices N`` asks the CPU backend for N devices before jax starts (as ``jaxmp plan --verify``
-does) without forcing the CPU: on a host with accelerators the first N of them are used.
+``--devices N`` runs on the first N devices present (fewer is bad input);
+``--simulate-devices N`` gives the CPU backend N devices before jax starts and runs on them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from jaxmp.cli.train import add_config_arguments
+from jaxmp.cli.train import add_config_arguments, add_device_arguments
 from jaxmp.errors import UsageError
 
 
@@ -24,8 +25,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "per-device memory, collective bytes by kind, step time, tokens/s, MFU, "
                     "each beside the planner's prediction.")
     add_config_arguments(p)
-    p.add_argument("--devices", type=int, default=None, metavar="N",
-                   help="devices to use (default: all; on CPU, N simulated devices)")
+    add_device_arguments(p, "to run on: the first N present")
     p.add_argument("--strategies", default=DEFAULT, metavar="LIST",
                    help="comma-separated: dp, fsdp, tensor, fsdp+tensor, stage, auto, or "
                         "explicit sizes like data=2,fsdp=4 (default: %(default)s)")
@@ -40,20 +40,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _devices(wanted: int | None) -> list:
-    import jax
-
-    have = jax.devices()
-    if wanted is not None and len(have) < wanted:
-        raise UsageError(f"--devices {wanted}: this process has {len(have)} "
-                         f"{have[0].platform} device(s) (simulated CPU devices must be "
-                         f"requested before jax starts)")
-    return list(have[:wanted] if wanted else have)
-
-
 def run(args: argparse.Namespace) -> int:
-    from jaxmp._util.env import add_xla_flags, simulate_devices
-    from jaxmp.cli.train import apply_precision
+    from jaxmp._util.env import add_xla_flags
+    from jaxmp.cli.train import apply_precision, device_count, present_devices, simulate
     from jaxmp.recipes.gpt_config import load_config
     from jaxmp.tools.strategies import parse_strategies
 
@@ -63,18 +52,15 @@ def run(args: argparse.Namespace) -> int:
                              ("--warmup", args.warmup, 0)):
         if value is not None and value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
-    if args.devices is not None:
-        try:
-            simulate_devices(args.devices, force_cpu=False)
-        except RuntimeError:
-            pass  # jax already started (called in-process): _devices says what it found
+    simulate(args.simulate_devices)
     add_xla_flags(config.xla.flags)
     apply_precision(config)
     from jaxmp._util.log import say
     from jaxmp.tools.bench import bench_gpt
     from jaxmp.tools.bench_output import json_text, render, write_outputs
 
-    result = bench_gpt(config, specs, _devices(args.devices), steps=args.steps,
+    devices = present_devices(device_count(args))
+    result = bench_gpt(config, specs, devices, steps=args.steps,
                        warmup=args.warmup, log=say)
     written = write_outputs(result, Path(args.out)) if args.out else []
     if args.json:

@@ -1,7 +1,10 @@
-"""``jaxmp plan [CONFIG] [--devices N] [--device-kind K] [--json] [--verify] [--compare L]``.
+"""``jaxmp plan [CONFIG] [--devices N] [--simulate-devices N] [--device-kind K] [--json]
+[--verify] [--compare KEY=VALUE,...]``.
 
-``--verify`` compiles on N simulated CPU devices, which XLA only provides if asked before jax's
-backend starts, so the environment is settled first.
+``--devices N`` plans for N devices (default: those present); ``--verify`` builds the Trainer
+from the very plan printed on the first N devices present and compiles its step — on a machine
+without them, ``--simulate-devices N`` gives the CPU backend N devices (before jax starts).
+``--compare`` plans again with more config keys fixed and prints both plans side by side.
 """
 
 from __future__ import annotations
@@ -9,12 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from typing import Any
 
-from jaxmp.cli.train import add_config_arguments
+from jaxmp.cli.train import add_config_arguments, add_device_arguments
 from jaxmp.errors import UsageError
 
-DEFAULT_VERIFY_DEVICES = 8
+# --compare's old short keys and the config keys they mean (docs and scripts used them).
+OLD_COMPARE_KEYS = {"data": "mesh.data", "stage": "mesh.stage", "fsdp": "mesh.fsdp",
+                    "tensor": "mesh.tensor", "remat": "model.remat",
+                    "schedule": "pipeline.schedule", "virtual": "pipeline.virtual_stages",
+                    "microbatches": "train.microbatches"}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -23,97 +31,85 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Measure the configured model's per-layer costs, rank every mesh "
                     "factorisation of the devices, and print the chosen plan.")
     add_config_arguments(p)
-    p.add_argument("--devices", type=int, default=None, metavar="N",
-                   help="devices to plan for (default: this host's devices; with --verify 8)")
+    add_device_arguments(p, "to plan for")
     p.add_argument("--device-kind", default=None, metavar="KIND",
                    help="device profile, e.g. H100, A100-80GB (default: detected)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--verify", action="store_true",
-                   help="compile the train step on N simulated CPU devices and compare")
+                   help="build the Trainer from this plan on the first N devices present, "
+                        "compile its step and compare")
     p.add_argument("--top", type=int, default=5, metavar="K", help="alternatives to show")
-    p.add_argument("--compare", default=None, metavar="LAYOUT",
-                   help="print the chosen plan beside a given layout, term by term, e.g. "
-                        "data=6,stage=64,tensor=8 (also remat=, schedule=, virtual=, "
-                        "microbatches=)")
+    p.add_argument("--compare", default=None, metavar="KEY=VALUE,...",
+                   help="plan again with these config keys fixed and print it beside the chosen "
+                        "plan, term by term, e.g. mesh.data=6,mesh.stage=64,mesh.tensor=8,"
+                        "model.remat=full,pipeline.schedule=interleaved,train.microbatches=512")
     p.set_defaults(func=run)
     return p
 
 
-def _prepare(args: argparse.Namespace) -> None:
-    """Check the numbers; with ``--verify``, give the CPU backend enough devices (until jax's
-    backend starts; afterwards ``--verify`` reports the shortfall instead)."""
-    from jaxmp._util.env import simulate_devices
-
-    if args.devices is not None and args.devices < 1:
-        raise UsageError(f"--devices must be >= 1, got {args.devices}")
-    if args.top < 0:
-        raise UsageError(f"--top must be >= 0, got {args.top}")
-    if args.compare is not None:
-        args.compare = parse_layout(args.compare)
-    if args.verify:
-        try:
-            simulate_devices(args.devices or DEFAULT_VERIFY_DEVICES)
-        except RuntimeError:
-            pass  # jax already started (e.g. called in-process): verify says what it found
+def compare_overrides(text: str) -> list[str]:
+    """``--compare``'s ``KEY=VALUE`` pairs as config overrides; the old short keys (``data=``,
+    ``remat=``, ...) still work, with one deprecation line."""
+    out, old = [], []
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or not value.strip() or not key:
+            raise UsageError(f"--compare: expected KEY=VALUE pairs separated by commas, "
+                             f"got {part!r}")
+        if key in OLD_COMPARE_KEYS:
+            old.append(f"{key}= (now {OLD_COMPARE_KEYS[key]}=)")
+            key = OLD_COMPARE_KEYS[key]
+        elif "." not in key:
+            raise UsageError(f"--compare: {key!r} is not a config key (section.key, e.g. "
+                             f"mesh.data)")
+        out.append(f"{key}={value.strip()}")
+    if old:
+        print(f"jaxmp: warning: --compare: deprecated key(s) {', '.join(old)}", file=sys.stderr)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     """The ``jaxmp plan`` command; returns the exit code (bad input raises BadInput)."""
+    from jaxmp.cli.train import device_count, present_devices, simulate
     from jaxmp.recipes.gpt_config import load_config
 
     config = load_config(args.config, overrides=args.set or [])
-    _prepare(args)
-    import jax
+    if args.top < 0:
+        raise UsageError(f"--top must be >= 0, got {args.top}")
+    given_sets = compare_overrides(args.compare) if args.compare is not None else None
+    given_config = load_config(args.config, overrides=[*(args.set or []), *given_sets]) \
+        if given_sets is not None else None
+    simulate(args.simulate_devices)
+    n = device_count(args)
+    devices = present_devices(n) if args.verify else None
 
-    from jaxmp.config import replace
     from jaxmp.plan.render import render, render_compare
     from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
+    from jaxmp.config.sections import REMAT_POLICY_NAMES
     from jaxmp.tools.verify import verify_prediction
 
-    n = args.devices or (DEFAULT_VERIFY_DEVICES if args.verify else len(jax.devices()))
-    result = gpt_plan(config, n, device_kind=args.device_kind)
-    result.alternatives = result.alternatives[:args.top]
-    given = result.compare(args.compare) if args.compare is not None else None
+    def plan_of(cfg: Any, find_devices_needed: bool = True) -> Any:
+        return gpt_plan(cfg, n, args.device_kind, remats=REMAT_POLICY_NAMES, strict=True,
+                        measure_cpu=True, top=args.top, find_devices_needed=find_devices_needed)
+
+    result = plan_of(config)
+    given = plan_of(given_config, False) if given_config is not None else None
     if args.verify:
-        fixed = replace(config, mesh=dict(result.mesh))
         result.verify = verify_prediction(
-            lambda devices: gpt_trainer(fixed, devices=devices, with_data=False, plan=result),
-            result.mesh, result.predicted, jax.devices())
+            lambda devs: gpt_trainer(config, devices=devs, with_data=False, plan=result),
+            result, devices)
     if args.json:
         out = result.to_json()
         if given is not None:
-            out["compare"] = {"mesh": given.mesh, "remat": given.layout.remat,
-                              "schedule": given.prediction.schedule,
-                              "virtual_stages": given.layout.virtual,
-                              "microbatches": given.layout.microbatches, "fits": given.fits,
-                              "runnable": given.runnable, "blockers": list(given.blockers),
-                              "predicted": given.prediction.to_dict()}
+            out["compare"] = {k: v for k, v in given.to_json().items()
+                              if k not in ("layers", "param_specs", "rules", "alternatives")}
         print(json.dumps(out, indent=2, default=_json_default))
     else:
         print(render(result, f"{config.train.batch_size} x {config.data.seq_len} tokens"))
         if given is not None:
             print("\n" + render_compare(result, given))
     return 0
-
-
-def parse_layout(text: str) -> dict[str, Any]:
-    """``"data=6,stage=64,tensor=8,remat=full"`` -> a dict (integers where the key takes one)."""
-    out: dict[str, Any] = {}
-    for part in filter(None, (x.strip() for x in text.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or not value:
-            raise UsageError(f"--compare: expected KEY=VALUE pairs separated by commas, "
-                             f"got {part!r}")
-        if key in ("remat", "schedule"):
-            out[key] = value
-            continue
-        try:
-            out[key] = int(value)
-        except ValueError:
-            raise UsageError(f"--compare: {key} must be an integer, got {value!r}") from None
-        if out[key] < 1:
-            raise UsageError(f"--compare: {key} must be >= 1, got {value!r}")
-    return out
 
 
 def _json_default(x: Any) -> Any:

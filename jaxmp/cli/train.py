@@ -45,15 +45,53 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def simulate(n: int | None) -> None:
-    """``--simulate-devices N``: must happen before jax's backend starts."""
+    """``--simulate-devices N``: N simulated CPU devices, set before jax's backend starts (in
+    a process where it already started, as in tests, N CPU devices must already be there)."""
     from jaxmp._util.env import simulate_devices
 
     if n is None:
         return
     try:
         simulate_devices(n)
-    except (ValueError, RuntimeError) as e:
+    except ValueError as e:
         raise UsageError(f"--simulate-devices: {e}") from None
+    except RuntimeError as e:
+        import jax  # started already: only look
+
+        if jax.devices()[0].platform != "cpu" or jax.device_count() < n:
+            raise UsageError(f"--simulate-devices: {e}") from None
+
+
+def add_device_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    """``--devices N`` and ``--simulate-devices N``, one meaning in every command."""
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help=f"the number of devices {what} (default: all present)")
+    p.add_argument("--simulate-devices", type=int, default=None, metavar="N",
+                   help="run on N simulated CPU devices (try a mesh without accelerators)")
+
+
+def device_count(args: argparse.Namespace) -> int:
+    """``--devices``, else the simulated count, else every device present (starts jax)."""
+    if args.devices is not None:
+        if args.devices < 1:
+            raise UsageError(f"--devices must be >= 1, got {args.devices}")
+        return args.devices
+    if args.simulate_devices is not None:
+        return args.simulate_devices
+    import jax
+
+    return jax.device_count()
+
+
+def present_devices(n: int, flag: str = "--devices") -> list:
+    """The first ``n`` devices present; too few is bad input naming ``--simulate-devices``."""
+    import jax
+
+    have = jax.devices()
+    if len(have) < n:
+        raise UsageError(f"{flag} {n}: this process has {len(have)} {have[0].platform} "
+                         f"device(s); add --simulate-devices {n} to simulate them on the CPU")
+    return list(have[:n])
 
 
 def _init_distributed(args: argparse.Namespace) -> None:

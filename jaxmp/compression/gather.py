@@ -128,18 +128,27 @@ def _int8_gather(x: jax.Array, sharded: NamedSharding, gathered: NamedSharding,
     return gather(x)
 
 
-def weight_gather(kind: str, compute_dtype: str | None, mesh: Mesh,
-                  rules: Sequence) -> WeightGather | None:
-    """The gather policy of ``compression.weights`` (``kind``) on ``mesh``, or None when weights
-    are gathered as stored: no fsdp axis, ``param``, or ``auto`` with no narrower compute
-    dtype known (``compute_dtype``: the model's, e.g. ``model.compute_dtype``)."""
+def gather_dtype(kind: str, compute_dtype: str | None, fsdp: int) -> str:
+    """What fsdp weight gathers move for ``compression.weights = kind``: ``"param"`` (as
+    stored: no fsdp axis, ``param``, or ``auto`` with no narrower compute dtype known —
+    ``compute_dtype`` is the model's, e.g. ``model.compute_dtype``), ``"bfloat16"`` or
+    ``"int8"``. The planner decides it once; the Trainer builds :func:`weight_gather` from it."""
     if kind not in KINDS:
         raise ValueError(f"unknown gather dtype {kind!r}")
-    if int(dict(mesh.shape).get(FSDP, 1)) == 1:
-        return None
+    if fsdp == 1:
+        return "param"
     if kind == "auto":
-        kind = "bfloat16" if compute_dtype == "bfloat16" else "param"
-    if kind == "param":
+        return "bfloat16" if compute_dtype == "bfloat16" else "param"
+    return kind
+
+
+def weight_gather(wire: str, compute_dtype: str | None, mesh: Mesh,
+                  rules: Sequence) -> WeightGather | None:
+    """The gather policy moving ``wire`` (:func:`gather_dtype`'s answer) on ``mesh``, handing
+    the model ``compute_dtype`` values; None when weights are gathered as stored."""
+    if wire == "param" or int(dict(mesh.shape).get(FSDP, 1)) == 1:
         return None
-    out = compute_dtype or ("bfloat16" if kind == "bfloat16" else "float32")
-    return WeightGather(kind, out, mesh, sharding.normalize_rules(rules))
+    if wire not in KINDS:
+        raise ValueError(f"unknown gather dtype {wire!r}")
+    out = compute_dtype or ("bfloat16" if wire == "bfloat16" else "float32")
+    return WeightGather(wire, out, mesh, sharding.normalize_rules(rules))

@@ -50,7 +50,10 @@ RENAMED: dict[str, tuple[str, dict[str, str]]] = {
 
 @dataclass(frozen=True)
 class MeshConfig(Section):
-    """Mesh axis sizes: an int, -1 (fill the remaining devices) or "auto" (planner decides)."""
+    """Mesh axis sizes: an int (fixed: a constraint of the plan), -1 (fill what the other axes
+    leave; the mesh is then spelled out and "auto" axes are 1) or "auto" (the planner decides,
+    given the model's costs; without them 1, and all "auto" is data parallel). See
+    :func:`jaxmp.plan.make_plan`."""
 
     section: ClassVar[str] = "mesh"
     data: AxisSize = "auto"
@@ -79,8 +82,8 @@ class MeshConfig(Section):
     def sizes(self) -> dict[str, int]:
         """All four axes as ints for ``jaxmp.make_mesh`` (which checks the device count).
 
-        Once any axis is explicit the "auto" ones become 1: the user spelled the mesh out.
-        All "auto" without a planner falls back to data parallelism: ``{"data": -1, rest: 1}``.
+        The mesh without a planner: "auto" axes are 1, and all "auto" is data parallelism
+        (``{"data": -1, rest: 1}``).
         """
         if self.is_auto:
             return {"data": -1, "stage": 1, "fsdp": 1, "tensor": 1}

@@ -1,7 +1,8 @@
 """What every candidate layout shares: the model's per-layer costs resolved on a mesh.
 
 :class:`Context` holds a model's costs, the device profile and the rules, and computes — once
-per (remat, mesh shape, microbatches), cached — the per-layer arrays both predictors
+per (remat, mesh shape, microbatches), cached — the per-layer table (:class:`LayerTable`,
+one named array per quantity) both predictors
 (:mod:`jaxmp.plan.predict` without pipeline stages, :mod:`jaxmp.plan.pipeline` with them)
 sum: parameter bytes as the rules shard them, saved activations at a device's rows, each
 layer's backward working set, its compute time at the profile's achievable rate and the
@@ -10,37 +11,25 @@ bytes its tensor-parallel all-reduces move.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from jaxmp import sharding
+from jaxmp.compression.gather import gather_dtype
 from jaxmp.compression.reduce import Compression, bytes_factor
 from jaxmp.cost import ModelCost
 from jaxmp.devices import DeviceProfile
 from jaxmp.mesh import AXES
-from jaxmp.pipeline.footprint import stack_span
+from jaxmp.pipeline.footprint import fold, stack_span
+from jaxmp.pipeline.stages import StageSplit, split_layers
+from jaxmp.plan.layout import Layout, effective_compression, mesh_items, reduction
 
 STEP_STATE_BYTES = 4  # the step counter of the train state
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One candidate: mesh axis sizes, remat policy, microbatches per step and, with pipeline
-    stages, the schedule and its virtual stages (chunks per device)."""
-
-    mesh: tuple[tuple[str, int], ...]
-    remat: str
-    microbatches: int
-    schedule: str = "1f1b"
-    virtual: int = 1
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        return dict(self.mesh)
 
 
 @dataclass
@@ -68,9 +57,7 @@ class Prediction:
     comm_hidden_s: dict[str, float] = field(default_factory=dict)  # overlapped with compute
     working_parts: dict[str, float] = field(default_factory=dict)  # what the working set is
     activation_parts: dict[str, float] = field(default_factory=dict)
-    schedule: str = ""  # with stages: the pipeline schedule
-    virtual: int = 1
-    blocks_per_chunk: list[int] = field(default_factory=list)
+    blocks_per_chunk: list[int] = field(default_factory=list)  # with stages
 
     @property
     def comm_bytes_per_step(self) -> float:
@@ -89,7 +76,6 @@ class Prediction:
                 "flops_per_step": self.flops_per_step, "flops_per_device": self.flops_per_device,
                 "comm_bytes_per_step": self.comm_bytes_per_step,
                 "comm_bytes_by_axis": dict(self.comm_bytes), "stage_time_s": self.stage_time_s,
-                "schedule": self.schedule, "virtual_stages": self.virtual,
                 "blocks_per_chunk": list(self.blocks_per_chunk)}
 
 
@@ -99,34 +85,64 @@ class _Shard:
 
     local: float  # bytes per device
     gathered: float  # bytes per device once fsdp-gathered
-    unsharded_f: float  # bytes fsdp does not shard (their gradients all-reduce over fsdp)
+    unsharded_fsdp: float  # bytes fsdp does not shard (their gradients all-reduce over fsdp)
     tensor_weights: int  # matrices split by tensor
     row_parallel: int  # of those, split on their input dim (their output is all-reduced)
     tensor_dims: frozenset[int]  # sizes of dims split by tensor (to spot split activations)
 
 
-# Per-layer columns of Context.arrays (per device, per microbatch unless noted).
-COLUMNS = ("act", "saved", "work", "transient", "mb_time", "flop_time", "tp", "local", "gathered",
-           "unsharded_f", "boundary", "gathers", "fsdp", "gather1")
+@dataclass(frozen=True)
+class LayerTable:
+    """Per-layer quantities of one (remat, data, fsdp, tensor, microbatches): one array per
+    field, one entry per layer of the cost model, per device and per microbatch of
+    ``rows / (data · fsdp · microbatches)`` rows unless noted."""
+
+    kept: np.ndarray  # activations kept for the backward as the layer runs (fused outside a
+    # loop), plus fsdp-gathered weights kept for it
+    saved: np.ndarray  # activations a scan stores for the backward
+    work: np.ndarray  # the backward working set: transient + gathered weights and their grads
+    transient: np.ndarray  # live values of the backward beyond saved activations
+    time: np.ndarray  # compute seconds with the tensor all-reduces on the critical path
+    compute_time: np.ndarray  # compute seconds alone
+    tensor_bytes: np.ndarray  # bytes its tensor all-reduces send
+    param_local: np.ndarray  # parameter bytes per device (per step, not per microbatch)
+    param_gathered: np.ndarray  # the same once fsdp-gathered
+    param_unsharded_fsdp: np.ndarray  # the part fsdp does not shard
+    boundary: np.ndarray  # output activation bytes
+    gathers: np.ndarray  # fsdp weight gathers per pass (2: forward and backward)
+    fsdp_bytes: np.ndarray  # bytes its fsdp collectives send
+    first_gather_bytes: np.ndarray  # one all-gather of its weights
+
+    def row(self, i: int) -> dict[str, float]:
+        """Layer ``i``'s entries as plain floats."""
+        return {f.name: float(getattr(self, f.name)[i]) for f in dataclasses.fields(self)}
+
+    def prefix(self, name: str) -> np.ndarray:
+        """Prefix sums (length layers + 1) of field ``name``."""
+        return np.concatenate([[0.0], np.cumsum(getattr(self, name))])
 
 
 class Context:
     """Per-model, per-rules, per-profile state shared by every candidate (with caches).
 
     ``balance`` is how the executor cuts pipeline stages (``pipeline.balance``);
-    ``grad_compression`` how the data-axis gradient reduction is encoded.
+    ``compression`` how the data-axis gradient reduction is encoded; ``weights`` the
+    configured fsdp weight-gather dtype (``compression.weights``) and ``compute_dtype`` the
+    model's, which together decide what gathers move.
     """
 
     def __init__(self, cost: ModelCost, profile: DeviceProfile, n_devices: int,
                  rules: Sequence = sharding.DEFAULT_RULES, balance: str = "flops",
-                 grad_compression: Compression | None = None):
+                 compression: Compression | None = None, weights: str = "auto",
+                 compute_dtype: str | None = None):
         self.cost = cost
+        self.compression = compression or Compression()
         # The data-axis gradient reduction's bytes relative to float32 (compression.gradients).
-        self.grad_compression = grad_compression or Compression()
         self.grad_bytes_factor = bytes_factor(
-            self.grad_compression,
+            self.compression,
             list({leaf.path: (leaf.shape, leaf.names) for lay in cost.layers
                   for leaf in lay.params}.values()))
+        self.weights, self.compute_dtype = weights, compute_dtype
         self.profile = profile
         self.n = n_devices
         self.rules = sharding.normalize_rules(rules)
@@ -150,19 +166,29 @@ class Context:
         self.span = stack_span([lay.kind for lay in layers],
                                [lay.group or lay.name for lay in layers])
         self._shards: dict[tuple[int, int, int], _Shard] = {}
-        self._saved: dict[tuple, Any] = {}
-        self._arrays: dict[tuple, dict[str, np.ndarray]] = {}
+        self._cache: dict[tuple, Any] = {}
 
-    def shard(self, i: int, f: int, t: int) -> _Shard:
-        key = (int(self.group_of[i]), f, t)
+    @property
+    def n_blocks(self) -> int:
+        """Blocks in the model's layer stack (0 without one)."""
+        return self.span[1] - self.span[0] if self.span else 0
+
+    def cached(self, key: tuple, make: Any) -> Any:
+        """``make()``, computed once per ``key`` (the predictors' memo)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def shard(self, i: int, fsdp: int, tensor: int) -> _Shard:
+        key = (int(self.group_of[i]), fsdp, tensor)
         if key not in self._shards:
-            self._shards[key] = self._resolve(self.first[key[0]], f, t)
+            self._shards[key] = self._resolve(self.first[key[0]], fsdp, tensor)
         return self._shards[key]
 
-    def _resolve(self, i: int, f: int, t: int) -> _Shard:
+    def _resolve(self, i: int, fsdp: int, tensor: int) -> _Shard:
         lay = self.cost.layers[i]
-        sizes = {"data": 1, "stage": 1, "fsdp": f, "tensor": t}
-        local = gathered = unsharded_f = 0.0
+        sizes = {"data": 1, "stage": 1, "fsdp": fsdp, "tensor": tensor}
+        local = gathered = unsharded = 0.0
         weights = rows = 0
         tdims: set[int] = set()
         for leaf in lay.params:
@@ -172,43 +198,40 @@ class Context:
             div = math.prod(sizes[a] for a in axes)
             nb = leaf.nbytes * lay.share
             local += nb / div
-            gathered += nb / (div // f if "fsdp" in axes else div)
-            unsharded_f += 0.0 if "fsdp" in axes else nb / div
+            gathered += nb / (div // fsdp if "fsdp" in axes else div)
+            unsharded += 0.0 if "fsdp" in axes else nb / div
             split = [d for d, e in enumerate(spec)
                      if e == "tensor" or (isinstance(e, tuple) and "tensor" in e)]
             tdims.update(int(leaf.shape[d]) for d in split)
             dims = [d for d, n in enumerate(leaf.names or ()) if n != "layers"]
             weights += bool(split) and len(dims) >= 2
             rows += len(dims) >= 2 and dims[0] in split
-        return _Shard(local, gathered, unsharded_f, weights, rows, frozenset(tdims))
+        return _Shard(local, gathered, unsharded, weights, rows, frozenset(tdims))
 
     def flops_per_step(self, remat: str) -> float:
-        key = ("flops", remat)
-        if key not in self._saved:
-            self._saved[key] = self.cost.flops_per_step(remat)
-        return self._saved[key]
+        return self.cached(("flops", remat), lambda: self.cost.flops_per_step(remat))
 
-    def _saved_bytes(self, i: int, remat: str, f: int, t: int, rows: float,
+    def _saved_bytes(self, i: int, remat: str, fsdp: int, tensor: int, rows: float,
                      fused: bool) -> float:
-        key = (i, remat, f, t, fused)
-        if key not in self._saved:
-            div = _saved_divisor(self.shard(i, f, t).tensor_dims, t)
+        def split() -> tuple[float, float]:
+            div = _saved_divisor(self.shard(i, fsdp, tensor).tensor_dims, tensor)
             lay = self.cost.layers[i]
             saved = lay.fused.get(remat, lay.saved.get(remat)) if fused else lay.saved[remat]
-            self._saved[key] = saved.split(div, self.profile.upcasts_16bit)
-        const, per_row = self._saved[key]
+            return saved.split(div, self.profile.upcasts_16bit)
+
+        const, per_row = self.cached(("saved", i, remat, fsdp, tensor, fused), split)
         return const + per_row * rows
 
-    def _transient(self, i: int, remat: str, f: int, t: int, rows: float, io: float) -> float:
+    def _transient(self, i: int, remat: str, fsdp: int, tensor: int, rows: float,
+                   io: float) -> float:
         """Peak extra bytes of layer i's backward pass at ``rows`` (jaxmp.cost.liveness)."""
         lay = self.cost.layers[i]
         if remat not in lay.transient:  # the root's code: its gradients mirror what it saved
-            return 2 * io + self._saved_bytes(i, remat, f, t, rows, fused=False)
-        key = ("transient", i, remat, f, t)
-        if key not in self._saved:
-            div = _saved_divisor(self.shard(i, f, t).tensor_dims, t)
-            self._saved[key] = lay.transient[remat].sizes(div, self.profile.upcasts_16bit)
-        return lay.transient[remat].peak_of(self._saved[key], rows)
+            return 2 * io + self._saved_bytes(i, remat, fsdp, tensor, rows, fused=False)
+        div = _saved_divisor(self.shard(i, fsdp, tensor).tensor_dims, tensor)
+        sizes = self.cached(("transient", i, remat, fsdp, tensor),
+                            lambda: lay.transient[remat].sizes(div, self.profile.upcasts_16bit))
+        return lay.transient[remat].peak_of(sizes, rows)
 
     def link_bw(self, sizes: dict[str, int]) -> dict[str, float]:
         """Bandwidth each axis's collectives run at: inside a host, or across hosts."""
@@ -220,85 +243,93 @@ class Context:
                 else self.profile.inter_host_bw
         return out
 
-    def arrays(self, remat: str, d: int, f: int, t: int, m: int) -> dict[str, np.ndarray]:
-        """Per-layer quantities of one (remat, mesh, microbatches), computed once per group.
+    def table(self, remat: str, data: int, fsdp: int, tensor: int,
+              microbatches: int) -> LayerTable:
+        """The :class:`LayerTable` of one (remat, mesh, microbatches), computed once per group
+        of identical layers and cached."""
+        return self.cached(("table", remat, data, fsdp, tensor, microbatches),
+                           lambda: self._table(remat, data, fsdp, tensor, microbatches))
 
-        Columns (per device, one microbatch of ``rows / (d·f·m)`` rows): ``act`` activations
-        kept for the backward pass as the layer runs (fused outside a loop), ``saved`` as a
-        scan stores them, ``work`` the backward working set (``transient`` plus the fsdp-gathered
-        weights and their gradients), ``mb_time`` / ``flop_time`` compute time with / without
-        its tensor-parallel all-reduces (``tp`` bytes), parameter bytes (``local``,
-        ``gathered``, ``unsharded_f``), ``boundary`` output bytes, ``gathers`` per pass,
-        ``fsdp`` bytes its fsdp collectives send, ``gather1`` one all-gather's bytes.
-        """
-        key = (remat, d, f, t, m)
-        if key in self._arrays:
-            return self._arrays[key]
+    def _table(self, remat: str, data: int, fsdp: int, tensor: int,
+               microbatches: int) -> LayerTable:
         cost = self.cost
-        rows = cost.rows / (d * f * m)
-        bw_t = self.link_bw({"data": d, "stage": 1, "fsdp": f, "tensor": t})["tensor"]
+        rows = cost.rows / (data * fsdp * microbatches)
+        bw_tensor = self.link_bw({"data": data, "stage": 1, "fsdp": fsdp,
+                                  "tensor": tensor})["tensor"]
         per_group = []
         for i in self.first:
-            lay, sh = cost.layers[i], self.shard(i, f, t)
-            saved = self._saved_bytes(i, remat, f, t, rows, fused=False)
-            act = self._saved_bytes(i, remat, f, t, rows, fused=True) if not lay.in_loop \
-                else saved
+            lay, sh = cost.layers[i], self.shard(i, fsdp, tensor)
+            saved = self._saved_bytes(i, remat, fsdp, tensor, rows, fused=False)
+            act = self._saved_bytes(i, remat, fsdp, tensor, rows, fused=True) \
+                if not lay.in_loop else saved
             io = max(lay.boundary_bytes, lay.input_bytes) * rows / cost.rows
             if self.profile.upcasts_16bit and lay.act_itemsize == 2:
                 io *= 2
-            transient = self._transient(i, remat, f, t, rows, io)
+            transient = self._transient(i, remat, fsdp, tensor, rows, io)
             # Outside a loop an fsdp-gathered weight is gathered once and kept for the
             # backward pass, unless remat recomputes the layer (then it is gathered again).
             regather = lay.in_loop or remat != "none"
             kept = 0.0 if regather else sh.gathered - sh.local
-            flops = lay.flops(remat) * rows / cost.rows / (t if sh.tensor_dims else 1)
+            flops = lay.flops(remat) * rows / cost.rows / (tensor if sh.tensor_dims else 1)
             # Full remat recomputes the forward, with its row-parallel all-reduces (all but the
             # last: the layer's own output is not needed again).
-            n_ar = sh.tensor_weights + (max(0, sh.row_parallel - 1) if remat == "full" else 0)
-            tp = n_ar * 2 * (t - 1) / t * io if t > 1 else 0.0
+            n_all_reduce = sh.tensor_weights + (max(0, sh.row_parallel - 1) if remat == "full"
+                                                else 0)
+            tensor_bytes = n_all_reduce * 2 * (tensor - 1) / tensor * io if tensor > 1 else 0.0
             gathers = 2.0 if regather else 1.0
-            sharded = sh.gathered - sh.unsharded_f
-            fsdp = (f - 1) / f * ((gathers + 1) * sharded + 2 * sh.unsharded_f) if f > 1 else 0.0
-            gather1 = (f - 1) / f * sharded if f > 1 else 0.0
+            sharded = sh.gathered - sh.unsharded_fsdp
+            fsdp_bytes = (fsdp - 1) / fsdp * ((gathers + 1) * sharded + 2 * sh.unsharded_fsdp) \
+                if fsdp > 1 else 0.0
+            first_gather = (fsdp - 1) / fsdp * sharded if fsdp > 1 else 0.0
             per_group.append((act + kept, saved, transient + 2 * (sh.gathered - sh.local),
-                              transient, flops / self.rate + tp / bw_t, flops / self.rate, tp,
-                              sh.local, sh.gathered, sh.unsharded_f,
-                              lay.boundary_bytes * rows / cost.rows, gathers, fsdp, gather1))
-        table = np.array(per_group, dtype=np.float64)[self.group_of]
-        out = {name: table[:, j] for j, name in enumerate(COLUMNS)}
-        self._arrays[key] = out
-        return out
+                              transient, flops / self.rate + tensor_bytes / bw_tensor,
+                              flops / self.rate, tensor_bytes, sh.local, sh.gathered,
+                              sh.unsharded_fsdp, lay.boundary_bytes * rows / cost.rows, gathers,
+                              fsdp_bytes, first_gather))
+        columns = np.array(per_group, dtype=np.float64)[self.group_of]
+        return LayerTable(*(columns[:, j] for j in range(columns.shape[1])))
 
-    def prefix(self, remat: str, d: int, f: int, t: int, m: int) -> dict[str, np.ndarray]:
-        """Prefix sums (length layers + 1) of the time and traffic columns of :meth:`arrays`."""
-        key = ("prefix", remat, d, f, t, m)
-        if key not in self._saved:
-            a = self.arrays(remat, d, f, t, m)
-            self._saved[key] = {k: np.concatenate([[0.0], np.cumsum(a[k])])
-                                for k in ("mb_time", "flop_time", "tp", "fsdp")}
-        return self._saved[key]
+    def split(self, remat: str, stages: int, virtual: int) -> StageSplit:
+        """The executor's stage split of this model: the folded per-layer table (``pre``, each
+        block, ``post``) cut by training FLOPs at ``remat`` (or layer count: ``balance``)."""
+        def make() -> StageSplit:
+            flops = [lay.flops(remat) for lay in self.cost.layers]
+            return split_layers(fold(flops, self.span), stages, virtual, self.balance)
 
-    def outside_stack(self, remat: str, d: int, f: int, t: int, m: int) -> tuple[float, float]:
+        return self.cached(("split", remat, stages, virtual), make)
+
+    def layout(self, sizes: Mapping[str, int], remat: str, microbatches: int,
+               schedule: str = "", virtual: int = 1) -> Layout:
+        """The complete :class:`~jaxmp.plan.layout.Layout` of one candidate: its stage split,
+        data-reduction decision, gather dtype and compression derived here, once."""
+        stages = int(sizes.get("stage", 1))
+        compression = effective_compression(self.compression, int(sizes.get("data", 1)))
+        return Layout(mesh_items(sizes), remat, microbatches, schedule if stages > 1 else "",
+                      virtual if stages > 1 else 1,
+                      self.split(remat, stages, virtual) if stages > 1 else None,
+                      reduction(sizes, compression, microbatches),
+                      gather_dtype(self.weights, self.compute_dtype, int(sizes.get("fsdp", 1))),
+                      compression)
+
+    def outside_stack(self, fsdp: int, tensor: int) -> tuple[float, float]:
         """Parameter and optimizer bytes per device of the layers outside the layer stack
         (embedding, head, final norm; tied weights once): what every pipeline stage holds."""
-        key = ("outside", f, t)
-        if key not in self._saved:
-            a = self.arrays(remat, d, f, t, m)
-            own = np.where(self.tied, 0.0, a["local"])
+        def sums() -> tuple[float, float]:
+            own = np.where(self.tied, 0.0, self.table("none", 1, fsdp, tensor, 1).param_local)
             outside = np.ones(len(own), bool)
             if self.span is not None:
                 outside[self.span[0]:self.span[1]] = False
-            self._saved[key] = (float(own[outside].sum()),
-                                float((own * self.opt_ratio)[outside].sum()))
-        return self._saved[key]
+            return float(own[outside].sum()), float((own * self.opt_ratio)[outside].sum())
+
+        return self.cached(("outside", fsdp, tensor), sums)
 
 
-def _saved_divisor(tdims: frozenset[int], t: int):
+def _saved_divisor(tdims: frozenset[int], tensor: int):
     def divisor(shape: tuple, bdim: int | None) -> int:
-        if t <= 1:
+        if tensor <= 1:
             return 1
-        hit = any(s in tdims and s % t == 0 for dim, s in enumerate(shape) if dim != bdim)
-        return t if hit else 1
+        hit = any(s in tdims and s % tensor == 0 for dim, s in enumerate(shape) if dim != bdim)
+        return tensor if hit else 1
 
     return divisor
 

@@ -15,23 +15,25 @@ prediction and the program cannot drift:
   (its blocks' residuals and the head's logits and their gradient).
 * **time**: lockstep ticks paced by the slowest chunk, ``(V·M + P - 1)`` chunk times
   (:meth:`Schedule.step_units`), of which ``(P - 1)`` are the bubble; the boundary sends of
-  every tick (:attr:`Schedule.n_ticks`) and the stage psum of the shared gradients; data
-  all-reduces of each backward's gradients (the executor reduces them at every tick, inside
-  its loop); fsdp gathers and reduce-scatters per microbatch-chunk, overlapped with compute
-  where the backend does that.
+  every tick (:attr:`Schedule.n_ticks`) and the stage psum of the shared gradients; the data
+  reduction of the device's gradients once per step, after the schedule; fsdp gathers and
+  reduce-scatters per microbatch-chunk, overlapped with compute where the backend does that.
+  Bytes are what the busiest device *executes*: a tick's ``lax.cond`` runs one branch, and a
+  device idle in a bubble tick sends nothing but the boundary buffers.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from dataclasses import dataclass
 
+import numpy as np
+
 from jaxmp.mesh import AXES
-from jaxmp.pipeline.footprint import buffer_slots, chunk_ranges, fold
+from jaxmp.pipeline.footprint import buffer_slots, chunk_ranges
 from jaxmp.pipeline.schedule import Schedule
-from jaxmp.pipeline.stages import split_layers
-from jaxmp.plan.context import STEP_STATE_BYTES, Context, Layout, Prediction
+from jaxmp.pipeline.stages import StageSplit
+from jaxmp.plan.context import STEP_STATE_BYTES, Context, Prediction
+from jaxmp.plan.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -42,34 +44,34 @@ class Chunks:
     ends: np.ndarray  # one past its last layer
     device: np.ndarray  # the stage each chunk runs on (chunk c on c % stages)
     per_chunk: tuple[int, ...]  # blocks per chunk
-    lmax: int  # padded block rows per chunk
+    max_blocks: int  # padded block rows per chunk
     busiest_blocks: int  # the most blocks one device runs
 
     def sums(self, prefix: np.ndarray) -> np.ndarray:
-        """Per-chunk sums of a per-layer column given its prefix sums."""
+        """Per-chunk sums of a per-layer field given its prefix sums."""
         return prefix[self.ends] - prefix[self.starts]
 
     def busiest(self, prefix: np.ndarray, stages: int) -> float:
-        """The largest per-device sum of a per-layer column (prefix sums given)."""
+        """The largest per-device sum of a per-layer field (prefix sums given)."""
         per = self.sums(prefix)
         if len(per) == stages:
             return float(per.max())
         return float(np.bincount(self.device, per, minlength=stages).max())
 
 
-def stage_split(ctx: Context, remat: str, stages: int, virtual: int) -> Chunks:
-    """The executor's split of ``ctx``'s model (training FLOPs at ``remat``), cached."""
-    key = ("split", remat, stages, virtual)
-    if key not in ctx._saved:
-        flops = [lay.flops(remat) for lay in ctx.cost.layers]
-        split = split_layers(fold(flops, ctx.span), stages, virtual, ctx.balance)
+def chunks(ctx: Context, split: StageSplit) -> Chunks:
+    """``split`` (over the folded table) as ranges of ``ctx``'s cost model, cached."""
+    def make() -> Chunks:
         ranges = np.array(chunk_ranges(split, ctx.span, len(ctx.cost.layers)))
-        device = np.arange(len(ranges)) % stages
+        device = np.arange(len(ranges)) % split.stages
         per = split.per_chunk
-        ctx._saved[key] = Chunks(ranges[:, 0], ranges[:, 1], device, tuple(per),
-                                 split.max_blocks,
-                                 int(np.bincount(device, per, minlength=stages).max()))
-    return ctx._saved[key]
+        return Chunks(ranges[:, 0], ranges[:, 1], device, tuple(per), split.max_blocks,
+                      int(np.bincount(device, per, minlength=split.stages).max()))
+
+    return ctx.cached(("chunks", split), make)
+
+
+_SUMMED = ("time", "compute_time", "tensor_bytes", "fsdp_bytes")  # per chunk, via prefix sums
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class _Terms:
     """One (remat, data, fsdp, tensor, microbatches)'s per-device numbers of a block, of the
     layers before the stack (``pre``) and after it (``post``)."""
 
-    block: dict[str, float]  # a block's columns of Context.arrays
+    block: dict[str, float]  # a block's row of the LayerTable
     pre_saved: float
     post_saved: float
     pre_work: float
@@ -85,48 +87,53 @@ class _Terms:
     boundary: float  # one microbatch's activations at a stage boundary
     shared: float  # parameter bytes outside the stack (every stage holds them)
     shared_opt: float
-    prefix: dict[str, np.ndarray]
+    prefix: dict[str, np.ndarray]  # prefix sums of the time and traffic fields
 
 
-def _terms(ctx: Context, remat: str, d: int, f: int, t: int, m: int) -> _Terms:
-    key = ("terms", remat, d, f, t, m)
-    if key not in ctx._saved:
-        a = ctx.arrays(remat, d, f, t, m)
+def _terms(ctx: Context, remat: str, data: int, fsdp: int, tensor: int,
+           microbatches: int) -> _Terms:
+    def make() -> _Terms:
+        table = ctx.table(remat, data, fsdp, tensor, microbatches)
         lo, hi = ctx.span
-        shared, shared_opt = ctx.outside_stack(remat, d, f, t, m)
-        ctx._saved[key] = _Terms(
-            {k: float(v[lo]) for k, v in a.items()}, float(a["saved"][:lo].sum()),
-            float(a["saved"][hi:].sum()), float(a["work"][:lo].max(initial=0.0)),
-            float(a["work"][hi:].max(initial=0.0)),
-            ctx.cost.layers[lo].input_bytes / (d * f * m), shared, shared_opt,
-            ctx.prefix(remat, d, f, t, m))
-    return ctx._saved[key]
+        shared, shared_opt = ctx.outside_stack(fsdp, tensor)
+        return _Terms(table.row(lo), float(table.saved[:lo].sum()),
+                      float(table.saved[hi:].sum()), float(table.work[:lo].max(initial=0.0)),
+                      float(table.work[hi:].max(initial=0.0)),
+                      ctx.cost.layers[lo].input_bytes / (data * fsdp * microbatches), shared,
+                      shared_opt, {name: table.prefix(name) for name in _SUMMED})
+
+    return ctx.cached(("terms", remat, data, fsdp, tensor, microbatches), make)
 
 
 def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
-    """Predict ``layout`` (``stage`` > 1); the schedule validates itself (bad input raises)."""
-    if ctx.span is None:
+    """Predict ``layout`` (``stage`` > 1) from its split; the schedule validates itself (bad
+    input raises)."""
+    if ctx.span is None or layout.split is None:
         raise ValueError("the model has no layer stack to split into pipeline stages")
-    s = layout.sizes
-    d, p, f, t = s["data"], s["stage"], s["fsdp"], s["tensor"]
-    m, v = layout.microbatches, layout.virtual
-    schedule = Schedule(layout.schedule, p, m, v)
-    ch = stage_split(ctx, layout.remat, p, v)
-    k = _terms(ctx, layout.remat, d, f, t, m)
-    blk, lmax = k.block, ch.lmax
+    sizes = layout.sizes
+    data, stages, fsdp, tensor = (sizes[a] for a in AXES)
+    microbatches, virtual = layout.microbatches, layout.virtual_stages
+    schedule = Schedule(layout.schedule, stages, microbatches, virtual)
+    ch = chunks(ctx, layout.split)
+    k = _terms(ctx, layout.remat, data, fsdp, tensor, microbatches)
+    blk, lmax = k.block, ch.max_blocks
+    prefix = k.prefix
 
     # Parameters: the padded stack's rows and the shared (embedding, head) params on every stage.
-    params = v * lmax * blk["local"] + k.shared
-    opt = v * lmax * blk["local"] * ctx.opt_ratio[ctx.span[0]] + k.shared_opt
+    params = virtual * lmax * blk["param_local"] + k.shared
+    opt = virtual * lmax * blk["param_local"] * ctx.opt_ratio[ctx.span[0]] + k.shared_opt
     grads = 2 * params  # the stacked and shared gradients, then the optimizer's update
 
     # Buffers, as wide as the busiest device needs (plus the spare slot idle ticks write).
     slots = buffer_slots(schedule)
     residual = lmax * blk["saved"] + k.pre_saved + (0.0 if schedule.folds_last else k.post_saved)
     stash = (slots.res + 1) * residual
+    # A forward's residuals are made as a stack of their own and written into their slot at the
+    # tick's end: the compiled tick holds one chunk's residuals beside the buffer.
+    in_transit = residual
     boundary = (slots.act + 1 + slots.ct + 1 + 2) * k.boundary  # act, ct, the sent y and gx
-    acts = stash + boundary
-    batch = 2 * ctx.cost.batch_bytes / (d * f)  # the batch and its microbatched copy, all stages
+    acts = stash + in_transit + boundary
+    batch = 2 * ctx.cost.batch_bytes / (data * fsdp)  # the batch, microbatched copy: all stages
 
     # One tick's work: a block's backward, the embedding's, or the folded last chunk.
     options = {"a block's backward": blk["work"], "the embedding's backward": k.pre_work,
@@ -134,35 +141,35 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
                 else "the head's backward (logits)"):
                (lmax * blk["saved"] if schedule.folds_last else 0.0) + k.post_work}
     what = max(options, key=options.get)
-    chunk_grads = lmax * blk["local"]
+    chunk_grads = lmax * blk["param_local"]
     working = options[what] + chunk_grads
     args = params + opt + batch + STEP_STATE_BYTES
     total = args + grads + acts + working
 
     # Time: lockstep ticks paced by the slowest chunk.
-    chunk_t, chunk_f = ch.sums(k.prefix["mb_time"]), ch.sums(k.prefix["flop_time"])
-    slow = int(np.argmax(chunk_t))
-    pace, vm = float(chunk_t[slow]), v * m
-    compute, bubble = vm * float(chunk_f[slow]), (p - 1) * pace
+    chunk_time, chunk_compute = ch.sums(prefix["time"]), ch.sums(prefix["compute_time"])
+    slow = int(np.argmax(chunk_time))
+    pace, work_units = float(chunk_time[slow]), virtual * microbatches
+    compute, bubble = work_units * float(chunk_compute[slow]), (stages - 1) * pace
     comm = dict.fromkeys(AXES, 0.0)
-    comm["tensor"] = m * ch.busiest(k.prefix["tp"], p)
-    comm["fsdp"] = m * ch.busiest(k.prefix["fsdp"], p)
-    if d > 1:  # once per step, after the schedule (jaxmp.compression.reduce), encoded per
+    comm["tensor"] = microbatches * ch.busiest(prefix["tensor_bytes"], stages)
+    comm["fsdp"] = microbatches * ch.busiest(prefix["fsdp_bytes"], stages)
+    if data > 1:  # once per step, after the schedule (jaxmp.compression.reduce), encoded per
         # compression.gradients: the device's chunks of the stack and the shared params
-        comm["data"] = ctx.grad_bytes_factor * 2 * (d - 1) / d * (
-            ch.busiest_blocks * blk["local"] + k.shared)
-    comm["stage"] = schedule.n_ticks * 2 * k.boundary + 2 * (p - 1) / p * k.shared
-    bw = ctx.link_bw(s)
+        comm["data"] = ctx.grad_bytes_factor * 2 * (data - 1) / data * (
+            ch.busiest_blocks * blk["param_local"] + k.shared)
+    comm["stage"] = schedule.n_ticks * 2 * k.boundary + 2 * (stages - 1) / stages * k.shared
+    bw = ctx.link_bw(sizes)
     comm_s = {axis: comm[axis] / bw[axis] for axis in AXES}
-    comm_s["tensor"] = vm * (pace - float(chunk_f[slow]))  # inside every tick
+    comm_s["tensor"] = work_units * (pace - float(chunk_compute[slow]))  # inside every tick
     hidden = {"fsdp": 0.0}
     if ctx.profile.overlap and comm_s["fsdp"]:
-        first = vm * blk["gather1"] / bw["fsdp"]  # each chunk's first gather shows
+        first = work_units * blk["first_gather_bytes"] / bw["fsdp"]  # each chunk's first
         shown = min(comm_s["fsdp"], max(0.0, comm_s["fsdp"] - compute) + first)
         hidden["fsdp"], comm_s["fsdp"] = comm_s["fsdp"] - shown, shown
     step = compute + bubble + sum(comm_s.values())
     flops_step = ctx.flops_per_step(layout.remat)
-    busy = np.bincount(ch.device, chunk_t, minlength=p) * m
+    busy = np.bincount(ch.device, chunk_time, minlength=stages) * microbatches
     return Prediction(
         param_bytes=params, optimizer_bytes=opt, grad_bytes=grads, activation_bytes=acts,
         working_bytes=working, batch_bytes=batch, argument_bytes=args, per_device_bytes=total,
@@ -172,5 +179,6 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
         comm_hidden_s=hidden,
         working_parts={what: options[what], "a chunk's parameter gradients": chunk_grads},
         activation_parts={f"residuals: {slots.res + 1} slots x {lmax} block(s)": stash,
+                          "a forward's residuals before their slot": in_transit,
                           "boundary buffers (activations, cotangents)": boundary},
-        schedule=schedule.kind, virtual=v, blocks_per_chunk=list(ch.per_chunk))
+        blocks_per_chunk=list(ch.per_chunk))

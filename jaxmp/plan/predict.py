@@ -26,51 +26,53 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmp.compression.reduce import reduced_after_microbatches
 from jaxmp.mesh import AXES
-from jaxmp.pipeline.balance import InfeasibleError
-from jaxmp.plan.context import (STEP_STATE_BYTES, Context, Layout, Prediction, _Shard,
-                                overlapped)
+from jaxmp.plan.context import STEP_STATE_BYTES, Context, Prediction, overlapped
+from jaxmp.plan.layout import Layout
 from jaxmp.plan.pipeline import predict_pipeline
 
 
 def predict(ctx: Context, layout: Layout) -> Prediction:
     """Predict ``layout`` (with ``stage`` > 1: as the pipeline executor runs it)."""
-    if layout.sizes["stage"] > 1:
+    if layout.stages > 1:
         return predict_pipeline(ctx, layout)
     cost = ctx.cost
-    s = layout.sizes
-    d, f, t, m = s["data"], s["fsdp"], s["tensor"], layout.microbatches
-    a = ctx.arrays(layout.remat, d, f, t, m)
-    params = float(np.where(ctx.tied, 0.0, a["local"]).sum())  # tied weights: stored once
-    opt = float((np.where(ctx.tied, 0.0, a["local"]) * ctx.opt_ratio).sum())
-    acts = float(a["act"].sum())
-    k_work = int(np.argmax(a["work"]))
-    working = float(a["work"][k_work])
+    sizes = layout.sizes
+    data, fsdp, tensor = sizes["data"], sizes["fsdp"], sizes["tensor"]
+    microbatches = layout.microbatches
+    table = ctx.table(layout.remat, data, fsdp, tensor, microbatches)
+    own = np.where(ctx.tied, 0.0, table.param_local)  # tied weights: stored once
+    params = float(own.sum())
+    opt = float((own * ctx.opt_ratio).sum())
+    acts = float(table.kept.sum())
+    k_work = int(np.argmax(table.work))
+    working = float(table.work[k_work])
     name = cost.layers[k_work].group or cost.layers[k_work].name
-    gathered = working - float(a["transient"][k_work])
-    working_parts = {f"{name} backward": float(a["transient"][k_work])}
+    gathered = working - float(table.transient[k_work])
+    working_parts = {f"{name} backward": float(table.transient[k_work])}
     if gathered:
         working_parts[f"{name} fsdp-gathered weights + grads"] = gathered
-    batch = cost.batch_bytes / (d * f)
+    batch = cost.batch_bytes / (data * fsdp)
     args = params + opt + batch + STEP_STATE_BYTES
     # The gradients and the optimizer's update, both parameter-sized; accumulating over
     # microbatches adds the running sum.
-    grads = (3 if m > 1 else 2) * params
+    grads = (3 if microbatches > 1 else 2) * params
     total = args + grads + acts + working
 
     comm = dict.fromkeys(AXES, 0.0)
-    comm["tensor"] = m * float(a["tp"].sum())
-    comm["fsdp"] = m * float(a["fsdp"].sum())
+    comm["tensor"] = microbatches * float(table.tensor_bytes.sum())
+    comm["fsdp"] = microbatches * float(table.fsdp_bytes.sum())
     # The data-axis gradient reduction, encoded per compression.gradients: beside the
     # backward pass (XLA's), or once after the last microbatch with nothing to hide behind.
-    at_end = reduced_after_microbatches(d, ctx.grad_compression.kind, m)
-    data_bytes = ctx.grad_bytes_factor * 2 * (d - 1) / d * a["local"]
+    at_end = layout.reduce_after_microbatches
+    data_bytes = ctx.grad_bytes_factor * 2 * (data - 1) / data * table.param_local
     comm["data"] = float(data_bytes.sum())
-    bw = ctx.link_bw(s)
-    per_layer = m * a["fsdp"] / bw["fsdp"] + (0.0 if at_end else data_bytes / bw["data"])
-    exposed, hidden = overlapped(per_layer, m * a["flop_time"],
-                                 float(a["gather1"].max()) / bw["fsdp"], ctx.profile.overlap)
+    bw = ctx.link_bw(sizes)
+    per_layer = microbatches * table.fsdp_bytes / bw["fsdp"] + (
+        0.0 if at_end else data_bytes / bw["data"])
+    exposed, hidden = overlapped(per_layer, microbatches * table.compute_time,
+                                 float(table.first_gather_bytes.max()) / bw["fsdp"],
+                                 ctx.profile.overlap)
     raw = {"fsdp": comm["fsdp"] / bw["fsdp"], "data": comm["data"] / bw["data"]}
     overlappable = {"fsdp": raw["fsdp"], "data": 0.0 if at_end else raw["data"]}
     total_o = sum(overlappable.values())
@@ -79,8 +81,8 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     comm_s.update({k: exposed * share[k] for k in raw})
     if at_end:
         comm_s["data"] = raw["data"]
-    compute = m * float(a["flop_time"].sum())
-    comm_s["tensor"] = m * float((a["mb_time"] - a["flop_time"]).sum())  # on the critical path
+    compute = microbatches * float(table.compute_time.sum())
+    comm_s["tensor"] = microbatches * float((table.time - table.compute_time).sum())  # critical
     step = compute + sum(comm_s.values())
     flops_step = ctx.flops_per_step(layout.remat)
     return Prediction(
@@ -91,6 +93,3 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
         stages=[(0, len(cost.layers))], stage_time_s=[step],
         comm_hidden_s={k: hidden * share[k] for k in raw}, working_parts=working_parts,
         activation_parts={"saved by every layer": acts})
-
-
-__all__ = ["Context", "InfeasibleError", "Layout", "Prediction", "_Shard", "predict"]

@@ -6,7 +6,6 @@ from jaxmp._util.fmt import fmt_bytes, fmt_flops, fmt_time, mesh_str, table
 from jaxmp.mesh import AXES
 from jaxmp.plan.context import Prediction
 from jaxmp.plan.plan import Plan
-from jaxmp.plan.search import Candidate, describe
 
 
 def _layer_rows(layers: list[dict]) -> list[list[str]]:
@@ -85,7 +84,7 @@ def render(plan: Plan, batch: str = "") -> str:
     lines += ["", f"training state: {state_per_param(plan.layers)}"]
     status = "runnable" if plan.runnable else "not runnable: " + "; ".join(plan.blockers)
     fits = "fits" if plan.fits else "DOES NOT FIT"
-    settings = describe_plan(plan)
+    settings = plan.describe()
     lines += ["", f"chosen: {mesh_str(plan.mesh)}  ({settings}; {status}; {fits})",
               _stages(p)] + _summary(p, plan.memory_limit)
     if plan.alternatives:
@@ -100,7 +99,8 @@ def render(plan: Plan, batch: str = "") -> str:
     lines += [f"note: {note}" for note in plan.notes]
     if plan.verify:
         v = plan.verify
-        lines += ["", f"verify (compiled on {plan.n_devices} simulated CPU devices):"]
+        lines += ["", f"verify (the Trainer built from this plan, its layout as planned, its step "
+                      f"compiled on {plan.n_devices} devices):"]
         lines += table(["", "predicted", "compiled", "rel err"],
                        [[key, fmt_bytes(v[key]["predicted"]), fmt_bytes(v[key]["compiled"]),
                          f"{v[key]['rel_err']:.1%}"]
@@ -108,13 +108,6 @@ def render(plan: Plan, batch: str = "") -> str:
                        right={1, 2, 3})
     lines.append(f"\nplanned in {plan.planning_time_s:.3f} s (cost model {plan.cost_time_s:.2f} s)")
     return "\n".join(lines)
-
-
-def describe_plan(plan: Plan) -> str:
-    """The chosen plan's settings besides its mesh (``"remat full, 1f1b, 8 mb"``)."""
-    c = next((c for c in plan.candidates if c.mesh == plan.mesh and c.prediction is
-              plan.predicted), None)
-    return describe(c.layout) if c is not None else f"remat {plan.remat}, {plan.microbatches} mb"
 
 
 def _rows(chosen: Prediction, given: Prediction) -> list[tuple[str, float, float, str]]:
@@ -138,12 +131,13 @@ def _rows(chosen: Prediction, given: Prediction) -> list[tuple[str, float, float
     return rows
 
 
-def render_compare(plan: Plan, given: Candidate) -> str:
-    """The chosen plan beside ``given`` (from :meth:`Plan.compare`), term by term."""
+def render_compare(plan: Plan, given: Plan) -> str:
+    """The chosen plan beside ``given`` (the same planning call with more keys fixed: ``jaxmp
+    plan --compare``), term by term."""
     fmt = {"b": fmt_bytes, "t": fmt_time, "f": fmt_flops}
-    c = given.prediction
+    c = given.predicted
     head = [f"{mesh_str(plan.mesh)}", f"{mesh_str(given.mesh)}"]
-    settings = [describe_plan(plan), describe(given.layout)]
+    settings = [plan.describe(), given.describe()]
     fits = ["fits" if plan.fits else "DOES NOT FIT", "fits" if given.fits else "DOES NOT FIT"]
     status = ["runnable" if plan.runnable else "not runnable",
               "runnable" if given.runnable else "not runnable: " + "; ".join(given.blockers)]
@@ -153,7 +147,7 @@ def render_compare(plan: Plan, given: Candidate) -> str:
         rows.append([name, fmt[kind](a), fmt[kind](b),
                      ("+" if diff > 0 else "") + fmt[kind](diff) if diff else "="])
     ratio = c.step_time_s / plan.predicted.step_time_s if plan.predicted.step_time_s else 0.0
-    lines = [f"compare (per device, per step; the given layout with its best settings):"]
+    lines = ["compare (per device, per step; the given settings, the rest planned):"]
     lines += table(["", "chosen: " + head[0], "given: " + head[1], "given - chosen"], rows,
                    right={1, 2, 3})
     lines.append(f"  the given layout takes {ratio:.2f}x the chosen plan's step time")

@@ -24,11 +24,13 @@ from dataclasses import dataclass, field
 
 from jaxmp._util.fmt import fmt_bytes, fmt_time
 from jaxmp.mesh import AXES
-from jaxmp.plan.context import Context, Layout, Prediction
+from jaxmp.plan.context import Context, Prediction
+from jaxmp.plan.layout import Layout
 from jaxmp.plan.predict import predict
 
 SCHEDULES = ("1f1b", "interleaved")  # searched when pipeline.schedule is "auto"
 VIRTUAL = (2, 3, 4)  # interleaved chunks per device, when pipeline.virtual_stages is "auto"
+ACCUMULATION = (1, 2, 4)  # microbatches without stages, times the configured count
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,6 @@ class PipelineOptions:
 
     schedule: str = "auto"
     virtual: int | str = "auto"
-    microbatches: int | str = "auto"
     runnable: bool = True  # the trainer can split this model into stages
     why_not: str = "needs a model the trainer can split into stages (a PipelineSpec)"
 
@@ -82,92 +83,113 @@ def factorisations(n: int, fixed: Mapping[str, int] | None = None) -> list[dict[
     return out
 
 
-def _accumulation(rows_per_replica: int, grad_accum: int) -> list[int]:
-    return [m for m in (grad_accum, 2 * grad_accum, 4 * grad_accum) if rows_per_replica % m == 0]
+def accumulation(rows_per_replica: int, microbatches: int | str) -> list[tuple[int, bool]]:
+    """``(microbatches, configured)`` without stages: 1, 2 and 4 (times a configured count;
+    others than the configured one are ranked but not runnable) that split the rows evenly."""
+    base = 1 if microbatches == "auto" else int(microbatches)
+    return [(base * k, microbatches == "auto" or k == 1) for k in ACCUMULATION
+            if rows_per_replica % (base * k) == 0]
 
 
-def pipeline_microbatches(p: int, rows_per_replica: int, fixed: int | str = "auto") -> list[int]:
-    """Microbatch counts for ``p`` stages: 1, 2, 4 and 8 times ``p``, and microbatches of 4, 2
-    and 1 rows — those that split the rows evenly."""
-    r = rows_per_replica
+def pipeline_microbatches(stages: int, rows_per_replica: int, fixed: int | str = "auto"
+                          ) -> list[int]:
+    """Microbatch counts for ``stages`` stages: 1, 2, 4 and 8 times ``stages``, and
+    microbatches of 4, 2 and 1 rows — those that split the rows evenly."""
+    rows = rows_per_replica
     if fixed != "auto":
-        return [int(fixed)] if r % int(fixed) == 0 else []
-    wanted = {p * k for k in (1, 2, 4, 8)} | {r // k for k in (4, 2, 1) if r % k == 0}
-    return sorted(m for m in wanted if p <= m <= r and r % m == 0)
+        return [int(fixed)] if rows % int(fixed) == 0 else []
+    wanted = {stages * k for k in (1, 2, 4, 8)} | {rows // k for k in (4, 2, 1) if rows % k == 0}
+    return sorted(m for m in wanted if stages <= m <= rows and rows % m == 0)
 
 
-def _schedules(p: int, m: int, blocks: int, opts: PipelineOptions) -> list[tuple[str, int]]:
-    """(schedule, virtual stages) pairs the executor accepts for ``p`` stages, ``m`` microbatches."""
+def schedules(stages: int, microbatches: int, blocks: int, opts: PipelineOptions
+              ) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs the executor accepts for ``stages`` stages and
+    ``microbatches`` microbatches."""
     kinds = SCHEDULES if opts.schedule == "auto" else (opts.schedule,)
     out = []
     for kind in kinds:
         if kind == "interleaved":
             vs = VIRTUAL if opts.virtual == "auto" else (int(opts.virtual),)
-            out += [(kind, v) for v in vs if v >= 2 and p * v <= blocks and m % p == 0
-                    and m >= p]
-        elif opts.virtual in ("auto", 1) and (kind == "gpipe" or m >= p):
+            out += [(kind, v) for v in vs if v >= 2 and stages * v <= blocks
+                    and microbatches % stages == 0 and microbatches >= stages]
+        elif opts.virtual in ("auto", 1) and (kind == "gpipe" or microbatches >= stages):
             out.append((kind, 1))
     return out
 
 
+def _dropped(ctx: Context, sizes: dict[str, int], fixed: Mapping[str, int]) -> str:
+    """Why the search skips this factorisation ("" if it does not). An axis the user fixed
+    is never skipped for sharding nothing: the Trainer warns about it instead."""
+    data, stage, fsdp, tensor = (sizes[a] for a in AXES)
+    blocks = ctx.n_blocks
+    if ctx.cost.rows % (data * fsdp):
+        return "batch not divisible by data x fsdp"
+    if stage > 1 and not blocks:
+        return "no layer stack to split into stages"
+    if stage > blocks and stage > 1:
+        return "more stages than blocks"
+    if tensor > 1 and "tensor" not in fixed and not any(
+            ctx.shard(i, fsdp, tensor).tensor_weights for i in ctx.first):
+        return "tensor splits no weight (dims not divisible)"
+    if fsdp > 1 and "fsdp" not in fixed and not any(
+            ctx.shard(i, fsdp, 1).gathered > ctx.shard(i, fsdp, 1).local for i in ctx.first):
+        return "fsdp shards no weight (dims not divisible)"
+    return ""
+
+
 def search(ctx: Context, fixed: Mapping[str, int] | None = None,
-           remats: Sequence[str] | None = None, grad_accum: int = 1,
+           remats: Sequence[str] | None = None, microbatches: int | str = "auto",
            configured_remat: str | None = None,
            pipeline: PipelineOptions | None = None) -> SearchResult:
-    """Predict and rank every allowed layout for ``ctx``'s model and device count."""
+    """Predict and rank every allowed layout for ``ctx``'s model and device count.
+
+    ``microbatches`` is ``train.microbatches`` (``"auto"``: searched)."""
     cost, n = ctx.cost, ctx.n
     opts = pipeline or PipelineOptions()
+    fixed = dict(fixed or {})
     # Cheapest first: once a runnable policy fits, the costlier ones are dominated (slower,
     # never more runnable) and are not predicted.
     remats = sorted(remats or next(iter(cost.layers)).saved, key=ctx.flops_per_step)
-    blocks = ctx.span[1] - ctx.span[0] if ctx.span else 0
     result = SearchResult([])
-    unknown = set(fixed or {}) - set(AXES)
+    unknown = set(fixed) - set(AXES)
     if unknown:
         raise ValueError(f"unknown mesh axis {sorted(unknown)[0]!r}")
     for sizes in factorisations(n, fixed):
-        d, p, f, t = (sizes[a] for a in AXES)
-        if cost.rows % (d * f):
-            result.dropped[f"batch {cost.rows} not divisible by data x fsdp"] += 1
+        why = _dropped(ctx, sizes, fixed)
+        if why:
+            result.dropped[why] += 1
             continue
-        if p > 1 and not blocks:
-            result.dropped["no layer stack to split into stages"] += 1
-            continue
-        if p > blocks and p > 1:
-            result.dropped["more stages than blocks"] += 1
-            continue
-        if t > 1 and not any(ctx.shard(i, f, t).tensor_weights for i in ctx.first):
-            result.dropped["tensor splits no weight (dims not divisible)"] += 1
-            continue
-        if f > 1 and not any(ctx.shard(i, f, 1).gathered > ctx.shard(i, f, 1).local
-                             for i in ctx.first):
-            result.dropped["fsdp shards no weight (dims not divisible)"] += 1
-            continue
-        rows = cost.rows // (d * f)
-        if p == 1:
-            layouts = [(m, "1f1b", 1) for m in _accumulation(rows, grad_accum)]
+        stages = sizes["stage"]
+        rows = cost.rows // (sizes["data"] * sizes["fsdp"])
+        if stages == 1:
+            layouts = [(count, "", 1, ok) for count, ok in accumulation(rows, microbatches)]
         else:
-            layouts = [(m, kind, v) for m in pipeline_microbatches(p, rows, opts.microbatches)
-                       for kind, v in _schedules(p, m, blocks, opts)]
+            layouts = [(count, kind, virtual, True)
+                       for count in pipeline_microbatches(stages, rows, microbatches)
+                       for kind, virtual in schedules(stages, count, ctx.n_blocks, opts)]
         if not layouts:
             result.dropped["batch too small for the microbatches"] += 1
             continue
-        for m, kind, v in layouts:
+        for count, kind, virtual, configured in layouts:
             for remat in remats:
-                layout = Layout(tuple(sizes.items()), remat, m, kind, v)
+                layout = ctx.layout(sizes, remat, count, kind, virtual)
                 pred = predict(ctx, layout)
                 fits = bool(pred.per_device_bytes <= ctx.memory_limit)
                 remat_ok = configured_remat is None or remat == configured_remat
                 blockers = [] if remat_ok else [f"needs model.remat={remat!r}"]
-                if p == 1 and m != grad_accum:
-                    blockers.append(f"needs train.microbatches={m}")
-                if p > 1 and not opts.runnable:
+                if not configured:
+                    blockers.append(f"needs train.microbatches={count}")
+                if stages > 1 and not opts.runnable:
                     blockers.append(opts.why_not)
                 result.ranked.append(Candidate(layout, pred, fits, tuple(blockers)))
                 if fits and remat_ok:
                     break
+    # Fitting first, then fastest; on a tie the fewer microbatches (larger matmuls, a simpler
+    # program), then the less memory.
     result.ranked.sort(key=lambda c: (not c.fits, c.prediction.step_time_s,
-                                      c.prediction.per_device_bytes, len(c.blockers)))
+                                      c.layout.microbatches, c.prediction.per_device_bytes,
+                                      len(c.blockers)))
     return result
 
 
@@ -189,8 +211,9 @@ def choose(result: SearchResult) -> tuple[Candidate | None, list[str]]:
 def describe(layout: Layout) -> str:
     """``"remat full, 1f1b, 64 mb"``: a layout's settings besides its mesh."""
     parts = [f"remat {layout.remat}"]
-    if layout.sizes["stage"] > 1:
-        parts.append(layout.schedule + (f" x{layout.virtual}" if layout.virtual > 1 else ""))
+    if layout.stages > 1:
+        parts.append(layout.schedule + (f" x{layout.virtual_stages}"
+                                        if layout.virtual_stages > 1 else ""))
     parts.append(f"{layout.microbatches} mb")
     return ", ".join(parts)
 

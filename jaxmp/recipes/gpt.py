@@ -29,10 +29,9 @@ from jaxmp.errors import ConfigError
 from jaxmp.models import GPT, GPTConfig, lm_loss, next_token_loss
 from jaxmp.models.attention import AttentionChoice, choose_attention, device_platform
 from jaxmp.pipeline.chunk import PipelineSpec
-from jaxmp.plan import Plan, plan_for_config
+from jaxmp.plan import Plan, make_plan
 from jaxmp.recipes.gpt_config import Config, ModelConfig
 from jaxmp.train import Trainer
-from jaxmp.train.planning import CostSource, plan_model
 
 
 def prepared_folder(config: Config) -> Path | None:
@@ -152,15 +151,23 @@ def gpt_costs(config: Config, remats: Sequence[str] | None = None,
     return dataclasses.replace(_COST_CACHE[key], runs_as=config.model.remat)
 
 
-def gpt_plan(config: Config, n_devices: int, device_kind: str | None = None,
+def gpt_plan(config: Config, n_devices: int, device_kind: str | None = None, *,
+             remats: Sequence[str] | None = None, strict: bool = False,
+             measure_cpu: bool = False, top: int = 8, find_devices_needed: bool = True,
              platform: str | None = None) -> Plan:
-    """``jaxmp plan``: rank every layout and remat policy for the configured GPT (its attention
-    as on ``platform``; default this process's devices)."""
+    """The configured GPT's plan: :func:`jaxmp.plan.make_plan` with its costs (every remat
+    policy ranked when ``model.remat`` is ``auto``; ``remats``: rank these too, e.g. all for
+    ``jaxmp plan``), its attention as on ``platform`` (default this process's devices).
+    ``jaxmp train`` keeps ``strict=False, measure_cpu=False`` (every process reaches the same
+    plan); ``jaxmp plan`` and ``jaxmp bench`` measure the CPU."""
+    config = resolve_data(config)
     start = time.perf_counter()
-    cost = gpt_costs(config, platform=platform)
+    cost = gpt_costs(config, remats or (config.model.remat,), platform)
     seconds = time.perf_counter() - start
-    plan = plan_for_config(config, cost, n_devices, device_kind=device_kind,
-                           remats=tuple(REMAT_POLICIES), strict=True, measure_cpu=True)
+    plan = make_plan(config, cost, n_devices, device_kind=device_kind, remats=remats,
+                     strict=strict, measure_cpu=measure_cpu, stack_blocks=config.model.layers,
+                     compute_dtype=config.model.compute_dtype, top=top,
+                     find_devices_needed=find_devices_needed)
     plan.cost_time_s = seconds
     return plan
 
@@ -170,19 +177,18 @@ def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,
                 with_data: bool = True) -> Trainer:
     """A Trainer for the configured GPT on the configured token source.
 
-    ``with_data=False`` builds one that can compile its step (``jaxmp plan --verify``,
-    ``jaxmp bench``) without opening the token source. ``model.remat = "auto"`` plans first
-    (as the Trainer would, with every remat policy) and builds the model with the plan's. Training on a prepared folder copies its
-    tokenizer into ``run_dir``, so the run samples on its own (``jaxmp sample``).
+    The run is planned once (:func:`gpt_plan`, or ``plan`` if given — ``jaxmp plan --verify``
+    and ``jaxmp bench`` hand over the plan they print); the model is built with the plan's
+    remat policy and the Trainer builds the plan's layout as is. ``with_data=False`` builds
+    one that can compile its step without opening the token source. Training on a prepared
+    folder copies its tokenizer into ``run_dir``, so the run samples on its own
+    (``jaxmp sample``).
     """
     config = resolve_data(config)
+    devices = list(devices if devices is not None else jax.devices())
     platform = platform_of(devices)  # the model's attention kernel is the devices' choice
-    if config.model.remat == "auto":  # the plan picks the policy the model is built with
-        n = len(devices) if devices is not None else jax.device_count()
-        plan = plan or plan_model(
-            config, n, CostSource(None, None, lambda: gpt_costs(config, platform=platform)),
-            pipeline=True)
-        config = replace(config, model={"remat": plan.remat})
+    plan = plan or gpt_plan(config, len(devices), platform=platform)
+    config = replace(config, model={"remat": plan.remat})  # "auto": the plan's policy
     eval_data = None
     if with_data and config.train.eval_every > 0 and config.data.source != "synthetic":
         eval_data = lambda: lm_batches(config, split="eval")  # noqa: E731 - fresh, same batches

@@ -3,7 +3,7 @@
 Each :class:`PublishedRun` is a model, a global batch, a device count and kind, the layout the
 run used and its published step time. :func:`evaluate` costs the model (traced with a scanned
 stack: seconds, even for 1T parameters), plans it on those devices, and predicts the published
-layout with the planner's own machinery (:meth:`jaxmp.plan.Plan.compare`). docs/planner.md's
+layout with the same planning call, its settings fixed (as ``jaxmp plan --compare`` does). docs/planner.md's
 table "published run -> jaxmp's prediction" is ``python scripts/planner_published.py``; the
 test suite asserts the goals (tests/test_published.py).
 
@@ -18,9 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxmp.plan import Plan, plan_for_config
-from jaxmp.plan.search import Candidate
-from jaxmp.recipes.gpt import gpt_costs
+from jaxmp.plan import Plan
+from jaxmp.recipes.gpt import gpt_plan
 from jaxmp.recipes.gpt_config import Config, load_config
 
 _GPT = ("data.source=synthetic", "model.compute_dtype=bfloat16", "model.param_dtype=float32",
@@ -48,7 +47,7 @@ class PublishedRun:
     sets: tuple[str, ...]  # config overrides: the model and the global batch
     device: str  # profile
     devices: int
-    layout: Mapping[str, Any]  # mesh axes, and schedule / virtual / microbatches / remat
+    layout: Mapping[str, Any]  # config keys: mesh axes, pipeline schedule, microbatches, remat
     step_time_s: float  # published (derived from throughput where that is what was published)
     published: str  # what the source reports
     usable_fraction: float = 0.95
@@ -60,20 +59,21 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         "Megatron-LM GPT 1T", "Narayanan et al., SC'21, Table 1 (interleaved schedule, "
         "microbatch 1)", _megatron(128, 25600, 160, 3072), "A100-80GB", 3072,
-        {"data": 6, "stage": 64, "tensor": 8, "schedule": "interleaved", "virtual": 2,
-         "microbatches": 512, "remat": "full"},
+        {"mesh.data": 6, "mesh.stage": 64, "mesh.tensor": 8,
+         "pipeline.schedule": "interleaved", "pipeline.virtual_stages": 2,
+         "train.microbatches": 512, "model.remat": "full"},
         megatron_step_s(128, 25600, 3072, 163, 3072), "163 TFLOP/s per GPU (52 % of peak)"),
     PublishedRun(
         "Megatron-LM GPT 1.7B", "Narayanan et al., SC'21, Table 1", _megatron(24, 2304, 24, 512),
-        "A100-80GB", 32, {"data": 32, "remat": "full"},
+        "A100-80GB", 32, {"mesh.data": 32, "model.remat": "full"},
         megatron_step_s(24, 2304, 512, 137, 32), "137 TFLOP/s per GPU (44 % of peak)",
         xfail_time="predicted 31 % fast: the A100 efficiency (0.60) is the large models'; "
                    "a 2304-wide model's matmuls and its memory-bound attention softmax "
                    "(s/h = 0.9) reach less, and Megatron did not overlap its data all-reduce"),
     PublishedRun(
         "Megatron-LM GPT 18.4B", "Narayanan et al., SC'21, Table 1",
-        _megatron(40, 6144, 48, 1024), "A100-80GB", 256, {"data": 32, "tensor": 8,
-                                                           "remat": "full"},
+        _megatron(40, 6144, 48, 1024), "A100-80GB", 256,
+        {"mesh.data": 32, "mesh.tensor": 8, "model.remat": "full"},
         megatron_step_s(40, 6144, 1024, 135, 256), "135 TFLOP/s per GPU (43 % of peak)"),
     PublishedRun(
         "torchtitan Llama 3.1 8B", "torchtitan docs/performance.md, Table 1 (FSDP, local batch "
@@ -81,7 +81,8 @@ RUNS: tuple[PublishedRun, ...] = (
             "model.layers=32", "model.d_model=4096", "model.heads=32", "model.kv_heads=8",
             "model.mlp_dim=14336", "model.activation=swiglu", "model.tie_embeddings=false",
             "model.vocab_size=128256", "data.seq_len=8192", "train.batch_size=16"),
-        "H100-96GB", 8, {"fsdp": 8}, 2 * 8192 / 5762, "5,762 tokens/s per GPU (33-39 % MFU)",
+        "H100-96GB", 8, {"mesh.fsdp": 8, "train.microbatches": 1}, 2 * 8192 / 5762,
+        "5,762 tokens/s per GPU (33-39 % MFU)",
         notes=("torchtitan runs flash attention; jaxmp's GPT materialises the 8192^2 scores, "
                "which the memory prediction includes",)),
 )
@@ -91,24 +92,27 @@ GPT3_175B = _GPT + ("model.layers=96", "model.d_model=12288", "model.heads=96",
                     "model.vocab_size=50304", "data.seq_len=2048", "train.batch_size=1536")
 
 
-def run_config(run: PublishedRun) -> Config:
-    return load_config(None, [*run.sets, f"device.usable_fraction={run.usable_fraction}"])
+def run_config(run: PublishedRun, layout: bool = False) -> Config:
+    """The run's model and batch as a config; ``layout``: with its published layout fixed."""
+    given = [f"{k}={v}" for k, v in run.layout.items()] if layout else []
+    return load_config(None, [*run.sets, f"device.usable_fraction={run.usable_fraction}",
+                              *given])
 
 
 @dataclass
 class Evaluation:
     run: PublishedRun
     plan: Plan  # what jaxmp chooses on those devices
-    given: Candidate  # the published layout, as jaxmp predicts it
+    given: Plan  # the published layout, as jaxmp predicts it
 
     @property
     def error(self) -> float:
-        return self.given.prediction.step_time_s / self.run.step_time_s - 1
+        return self.given.predicted.step_time_s / self.run.step_time_s - 1
 
 
 def evaluate(run: PublishedRun) -> Evaluation:
     """Plan ``run``'s model on its devices and predict its published layout."""
-    config = run_config(run)
-    plan = plan_for_config(config, gpt_costs(config), run.devices, device_kind=run.device,
-                           strict=True)
-    return Evaluation(run, plan, plan.compare(run.layout))
+    plan = gpt_plan(run_config(run), run.devices, run.device, strict=True)
+    given = gpt_plan(run_config(run, layout=True), run.devices, run.device, strict=True,
+                     find_devices_needed=False)
+    return Evaluation(run, plan, given)

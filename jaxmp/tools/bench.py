@@ -6,9 +6,18 @@ Every strategy trains the same model on the same global batch through the same s
 optimized HLO), the median step time over K timed steps after warm-up on a real batch of the
 right shape, tokens/s, model FLOP/s and MFU (against the devices' peak; on CPU against a large
 matmul measured in this process), and the planner's prediction for the same layout with the
-relative error of each figure. A strategy that cannot run gets a row that says why: the same
-checks the planner applies (divisibility, pipeline stages not yet executable), a mesh that needs
-other devices, a compiled peak above device memory, or the error it failed with.
+relative error of each figure. Each strategy's layout is planned by the one planning function
+(:func:`jaxmp.plan.make_plan`) with the strategy's mesh as config constraints and the config's
+pipeline options, balance and compression; the Trainer gets that plan and builds it as is, so
+the prediction beside each row is the plan the step runs. A strategy that cannot run gets a row
+that says why: the planner's reason (divisibility, an axis that shards nothing, settings that
+need something else), a mesh that needs other devices, a compiled peak above device memory, or
+the error it failed with.
+
+Bytes sent per step are what the busiest device executed in one profiled step on the CPU
+backend (:mod:`jaxmp.hlo.executed`: a pipeline's devices run different branches of its tick's
+``lax.cond``s, and none in a bubble tick); elsewhere the static count with each conditional
+charged its largest branch (:mod:`jaxmp.hlo.branches`).
 
 :func:`run_bench` is generic (any Trainer factory); :func:`bench_gpt` is the GPT recipe's.
 """
@@ -26,26 +35,24 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmp import sharding
 from jaxmp._util.arrays import tree_bytes
 from jaxmp._util.fmt import fmt_bytes, mesh_str
 from jaxmp.config import TrainerConfig, replace
-from jaxmp.cost import ModelCost, model_costs
 from jaxmp.data import to_global
-from jaxmp.devices import profile_from_config
+from jaxmp.errors import BadInput
 from jaxmp.hlo import KINDS
 from jaxmp.mesh import resolve_axes
-from jaxmp.plan import Context
-from jaxmp.plan.search import Candidate, choose, search
-from jaxmp.recipes.gpt import gpt_config, gpt_costs, gpt_trainer
-from jaxmp.tools.measure import measure_step, rel_err
+from jaxmp.plan import Plan, make_plan
+from jaxmp.recipes.gpt import gpt_config, gpt_plan, gpt_trainer
+from jaxmp.tools.measure import executed_collectives, measure_step, rel_err
 from jaxmp.tools.strategies import StrategySpec, full_mesh
 from jaxmp.train import Trainer
 from jaxmp.train.metrics import batch_tokens, total_peak_flops
 from jaxmp.train.state import init_state
 from jaxmp.train.step import batch_spec
 
-MakeTrainer = Callable[[TrainerConfig, list], Trainer]  # (config with the mesh, devices)
+MakeTrainer = Callable[[TrainerConfig, list, Plan], Trainer]  # (config, devices, its plan)
+PlanFor = Callable[[TrainerConfig], Plan]  # the one planning function, on this bench's devices
 # The measured figures that have a predicted counterpart (rel_err = predicted/measured - 1).
 COMPARED = ("argument_bytes", "temp_bytes", "peak_bytes", "collective_bytes_total",
             "step_time_s", "tokens_per_s", "mfu")
@@ -65,6 +72,9 @@ class Row:
     peak_bytes: float | None = None
     collective_bytes: dict[str, float] | None = None
     collective_bytes_raw: float | None = None  # as compiled (CPU keeps all-reduce + slice)
+    collective_bytes_static: float | None = None  # conditionals charged their largest branch
+    collectives_from: str = ""  # "executed" (a profiled step) | "static"
+    layout: dict[str, Any] | None = None  # the plan's layout, as the Trainer built it
     compile_s: float | None = None
     step_times_s: list[float] = field(default_factory=list)
     tokens_per_s: float | None = None
@@ -89,6 +99,8 @@ class Row:
                 "peak_bytes": self.peak_bytes, "collective_bytes": self.collective_bytes,
                 "collective_bytes_total": self.collective_bytes_total,
                 "collective_bytes_raw": self.collective_bytes_raw,
+                "collective_bytes_static": self.collective_bytes_static,
+                "collectives_from": self.collectives_from or None, "layout": self.layout,
                 "compile_s": self.compile_s, "step_time_s": self.step_time_s,
                 "step_time_min_s": min(t) if t else None,
                 "step_time_max_s": max(t) if t else None,
@@ -123,53 +135,58 @@ class Bench:
 # ------------------------------------------------------------------------------ the planner
 
 
-def _pick(cands: Sequence[Candidate]) -> Candidate | None:
-    """The candidate the trainer would run: a runnable one if any, else the fastest."""
-    return next((c for c in cands if c.runnable), cands[0] if cands else None)
+def _planned(plan_for: PlanFor, config: TrainerConfig, mesh: dict[str, Any]) -> Plan:
+    return plan_for(replace(config, mesh=full_mesh(mesh, "auto")))
 
 
-def planned_layout(spec: StrategySpec, ctx: Context, config: TrainerConfig, remat: str
-                   ) -> tuple[dict[str, int] | None, Candidate | None, str]:
-    """(mesh, the planner's candidate, why it cannot run — "" if it can) for ``spec``.
+def plan_strategy(spec: StrategySpec, plan_for: PlanFor, config: TrainerConfig, n: int
+                  ) -> tuple[dict[str, int] | None, Plan | None, str]:
+    """(mesh, the plan, why it cannot run — "" if it can) for ``spec`` on ``n`` devices.
 
-    Uses the planner's own search, so what it cannot run (indivisible batches, axes that shard
-    nothing, pipeline stages while they are not executed) gets the planner's reason here too.
-    """
-    n, ga = ctx.n, 1 if config.train.microbatches == "auto" else config.train.microbatches
-    if spec.planned:
-        fixed = {a: v for a, v in config.mesh.explicit().items() if v != -1} \
-            if spec.planned == "auto" else None
-        result = search(ctx, fixed, (remat,), ga, remat)
-        if spec.planned == "auto":
-            best, _ = choose(result)
-            if best is None:
-                return None, None, "the planner found no runnable layout"
-            return best.mesh, best, ""
-        cand = _pick([c for c in result.ranked if c.mesh["stage"] > 1])
-        if cand is None:
-            return None, None, f"no pipeline layout of {n} device(s) is possible"
-        return cand.mesh, cand, "; ".join(cand.blockers)
+    ``auto`` is the config as it is; ``stage`` the best plan (fitting first, then fastest)
+    among those with ``mesh.stage`` fixed to each divisor > 1 of ``n``; a recipe or explicit
+    sizes fix the whole mesh. Everything else comes from ``config``."""
     try:
-        mesh = resolve_axes(spec.mesh(n), n)
-    except ValueError as e:
-        return None, None, str(e)
-    result = search(ctx, mesh, (remat,), ga, remat)
-    cand = _pick(result.ranked)
-    if cand is None:
-        return mesh, None, "; ".join(result.dropped) or "the planner dropped this layout"
-    return mesh, cand, "; ".join(cand.blockers)
+        if spec.planned == "auto":
+            plan = plan_for(config)
+        elif spec.planned == "stage":
+            plans, why = [], []
+            for stages in (k for k in range(2, n + 1) if n % k == 0):
+                try:
+                    plans.append(_planned(plan_for, config, {"stage": stages}))
+                except BadInput as e:
+                    why.append(f"stage={stages}: {e}")
+            runnable = [p for p in plans if p.runnable] or plans
+            if not runnable:
+                return None, None, (f"no pipeline layout of {n} device(s) is possible: "
+                                    + "; ".join(why[:2]))
+            plan = min(runnable, key=lambda p: (not p.fits, p.predicted.step_time_s))
+        else:
+            mesh = resolve_axes(spec.mesh(n), n)
+            plan = _planned(plan_for, config, mesh)
+    except (BadInput, ValueError) as e:
+        mesh = None
+        if not spec.planned:
+            try:
+                mesh = resolve_axes(spec.mesh(n), n)
+            except ValueError:
+                pass
+        return mesh, None, str(e)
+    return plan.mesh, plan, "; ".join(plan.blockers)
 
 
-def _predicted(cand: Candidate, tokens: int, model_flops: float, peak: float) -> dict:
-    p = cand.prediction
+def _predicted(plan: Plan, tokens: int, model_flops: float, peak: float) -> dict | None:
+    p = plan.predicted
+    if p is None:
+        return None
     step = p.step_time_s
     return {"argument_bytes": p.argument_bytes, "temp_bytes": p.per_device_bytes - p.argument_bytes,
             "peak_bytes": p.per_device_bytes, "collective_bytes_total": p.comm_bytes_per_step,
             "collective_bytes_by_axis": {a: v for a, v in p.comm_bytes.items() if v},
             "step_time_s": step, "tokens_per_s": tokens / step if step else None,
-            "mfu": model_flops / step / peak if step else None, "fits": cand.fits,
-            "stages": [list(s) for s in p.stages], "microbatches": cand.layout.microbatches,
-            "remat": cand.layout.remat}
+            "mfu": model_flops / step / peak if step else None, "fits": plan.fits,
+            "stages": [list(s) for s in p.stages], "microbatches": plan.microbatches,
+            "remat": plan.remat, "schedule": plan.schedule, "virtual_stages": plan.virtual}
 
 
 def _with_errors(row: Row) -> None:
@@ -199,8 +216,9 @@ def random_batch(example: dict, seed: int = 0, high: int = 2) -> dict[str, np.nd
 
 
 def time_steps(step: Callable, state: Any, batch: dict, steps: int, warmup: int
-               ) -> tuple[list[float], float]:
-    """Run ``warmup`` then ``steps`` steps, each timed to completion; (seconds, final loss)."""
+               ) -> tuple[list[float], float, Any]:
+    """Run ``warmup`` then ``steps`` steps, each timed to completion; (seconds, final loss,
+    the final state)."""
     metrics: Any = None
     for _ in range(warmup):
         state, metrics = step(state, batch)
@@ -211,28 +229,32 @@ def time_steps(step: Callable, state: Any, batch: dict, steps: int, warmup: int
         state, metrics = step(state, batch)
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - start)
-    return times, float(metrics["loss"])
+    return times, float(metrics["loss"]), state
 
 
-def _memory_limit(device: Any, ctx: Context) -> float:
+def _memory_limit(device: Any, plan: Plan | None) -> float:
     """Bytes one device may use: what the runtime reports, else the planner's limit."""
     try:
         stats = device.memory_stats() or {}
     except Exception:  # noqa: BLE001 - not every backend reports memory
         stats = {}
-    return float(stats.get("bytes_limit") or ctx.memory_limit)
+    return float(stats.get("bytes_limit") or (plan.memory_limit if plan and plan.memory_limit
+                                               else float("inf")))
 
 
 def measure_row(row: Row, trainer: Trainer, batch: dict, steps: int, warmup: int,
                 limit: float, model_flops: float, peak: float) -> None:
-    """Compile ``trainer``'s step, read memory and collectives, then time it on ``batch``."""
+    """Compile ``trainer``'s step, read memory and collectives, time it on ``batch``, then run
+    one more step under the profiler for the collectives each device executed."""
     start = time.perf_counter()
     m = measure_step(trainer)
     row.compile_s = time.perf_counter() - start
     row.argument_bytes, row.temp_bytes = m.argument_bytes, m.temp_bytes
     row.peak_bytes = m.peak_bytes
-    row.collective_bytes = {k: float(m.collectives.bytes_by_kind.get(k, 0.0)) for k in KINDS}
+    row.collective_bytes = {k: float(m.one_branch.get(k, 0.0)) for k in KINDS}
+    row.collective_bytes_static = m.collective_bytes
     row.collective_bytes_raw = float(m.collectives.raw_total_bytes)
+    row.collectives_from = "static"
     if m.peak_bytes > limit:
         row.status = "compiled only"
         row.reason = (f"does not fit: compiled peak {fmt_bytes(m.peak_bytes)} > "
@@ -241,7 +263,11 @@ def measure_row(row: Row, trainer: Trainer, batch: dict, steps: int, warmup: int
     spec = batch_spec(trainer.mesh, trainer.rules, next(iter(batch.values())).shape[0])
     on_mesh = to_global(batch, trainer.mesh, spec)
     state = init_state(trainer.layout, trainer.model_fn, trainer.tx, trainer.config.train.seed)
-    row.step_times_s, row.loss = time_steps(m.compiled, state, on_mesh, steps, warmup)
+    row.step_times_s, row.loss, state = time_steps(m.compiled, state, on_mesh, steps, warmup)
+    _, executed = executed_collectives(m, state, on_mesh)
+    if executed is not None:
+        row.collective_bytes = {k: float(executed.get(k, 0.0)) for k in KINDS}
+        row.collectives_from = "executed"
     dt = row.step_time_s
     row.tokens_per_s = batch_tokens(batch) / dt
     row.model_flops_per_s = model_flops / dt
@@ -256,63 +282,76 @@ def _failure(e: Exception) -> str:
     return f"failed: {type(e).__name__}: {msg[:200]}"
 
 
+def default_planner(trainer: Trainer, n: int) -> PlanFor:
+    """The planning function for any model: :func:`jaxmp.plan.make_plan` with ``trainer``'s
+    costs (traced from its example batch), rules, pipeline spec and compute dtype."""
+    return lambda cfg: make_plan(cfg, trainer.costs.get(), n, rules=trainer.rules,
+                                 pipeline=trainer.pipeline is not None,
+                                 stack_blocks=trainer.stack_blocks,
+                                 compute_dtype=trainer.compute_dtype, remat=trainer.plan.remat,
+                                 measure_cpu=True)
+
+
 def run_bench(config: TrainerConfig, make_trainer: MakeTrainer, specs: Sequence[StrategySpec],
-              devices: Sequence[Any], *, cost: ModelCost | None = None,
-              batch: dict | None = None, rules: Sequence | None = None,
-              model_flops_per_step: float | None = None, steps: int = 10, warmup: int = 2,
+              devices: Sequence[Any], *, plan_for: PlanFor | None = None,
+              batch: dict | None = None, model_flops_per_step: float | None = None,
+              steps: int = 10, warmup: int = 2,
               log: Callable[[str], None] = lambda s: None) -> Bench:
     """Measure every strategy in ``specs`` on ``devices``.
 
-    ``make_trainer(config, devices)`` builds the Trainer for a config whose ``[mesh]`` is the
-    strategy's; ``cost`` is the model's :class:`~jaxmp.cost.ModelCost` for the predictions
-    (default: traced from the first Trainer's model and example batch); ``batch`` a global
-    batch of numpy arrays (default: random, shaped like the example batch); ``rules`` the
-    Trainer's rule list, for the predictions (default: the first Trainer's, else
-    ``DEFAULT_RULES``); ``model_flops_per_step`` the model FLOPs behind MFU (default: the traced
-    cost without recomputation).
+    ``make_trainer(config, devices, plan)`` builds the Trainer that runs ``plan`` (its config's
+    ``[mesh]`` is the strategy's); ``plan_for(config)`` plans a strategy's config on these
+    devices (default: :func:`default_planner` of a Trainer built data-parallel); ``batch`` a
+    global batch of numpy arrays (default: random, shaped like the example batch);
+    ``model_flops_per_step`` the model FLOPs behind MFU (default: the planner's cost without
+    recomputation).
     """
     devices = list(devices)
     n = len(devices)
-    profile = profile_from_config(config.device, strict=False, measure_cpu=True)
     first: Trainer | None = None
-    if cost is None or batch is None:
-        first = make_trainer(replace(config, mesh=full_mesh({"data": n})), devices)
-        example = first.example_batch
-        if example is None:
+    if plan_for is None or batch is None:
+        first = make_trainer(replace(config, mesh=full_mesh({"data": n})), devices, None)
+        if first.example_batch is None:
             raise ValueError("jaxmp bench needs a Trainer with an example_batch")
-        if cost is None:
-            cost = model_costs(first.model_fn, example, first.loss_fn, first.tx,
-                               policies=("none",), path_rules=first.path_rules)
+        plan_for = plan_for or default_planner(first, n)
         if batch is None:
-            batch = random_batch(example, config.train.seed)
-    if rules is None:  # the Trainer's own, when one was built
-        rules = first.rules if first is not None else sharding.DEFAULT_RULES
-    ctx = Context(cost, profile, n, sharding.normalize_rules(rules))
-    remat = cost.runs_as
+            batch = random_batch(first.example_batch, config.train.seed)
     peak = total_peak_flops(devices)
     tokens = batch_tokens(batch)
-    model_flops = model_flops_per_step or cost.flops_per_step("none")
-    limit = _memory_limit(devices[0], ctx)
     rows: list[Row] = []
+    plans: list[Plan | None] = []
     param_bytes = float("nan")
     for spec in specs:
-        mesh, cand, why = planned_layout(spec, ctx, config, remat)
+        mesh, plan, why = plan_strategy(spec, plan_for, config, n)
         row = Row(spec.name, mesh=mesh)
-        if cand is not None:
-            row.predicted = _predicted(cand, tokens, model_flops, peak)
-        earlier = next((r for r in rows if r.mesh == mesh and not r.same_as), None)
-        if why or mesh is None:
-            row.status, row.reason = "not run", why
+        if plan is not None:
+            if model_flops_per_step is None and plan.predicted is not None:
+                model_flops_per_step = plan.predicted.flops_per_step - sum(
+                    lay["recompute_flops"].get(plan.remat, 0.0) for lay in plan.layers)
+            row.predicted = _predicted(plan, tokens, model_flops_per_step or float("nan"),
+                                       peak)
+            row.layout = plan.layout.to_json()
+        earlier = next((r for r, p in zip(rows, plans) if plan is not None and p is not None
+                        and p.layout == plan.layout and not r.same_as), None)
+        if why or plan is None:
+            row.status, row.reason = "not run", why or "the planner found no layout"
         elif earlier is not None:
             row = dataclasses.replace(earlier, name=spec.name, same_as=earlier.name,
                                       predicted=row.predicted)
         else:
             log(f"jaxmp bench: {spec.name} ({mesh_str(mesh)})")
+            trainer = None
             try:
-                trainer = first if first is not None and first.mesh.shape == mesh \
-                    else make_trainer(replace(config, mesh=mesh), devices)
+                cfg = replace(config, mesh=full_mesh(plan.mesh))
+                trainer = first if first is not None and first.plan.layout == plan.layout \
+                    else make_trainer(cfg, devices, plan)
+                built = trainer.executed_layout().differences(plan.layout)
+                if built:
+                    raise RuntimeError("the Trainer built another layout: " + "; ".join(built))
                 param_bytes = float(tree_bytes(trainer.layout.abstract.params))
-                measure_row(row, trainer, batch, steps, warmup, limit, model_flops, peak)
+                measure_row(row, trainer, batch, steps, warmup,
+                            _memory_limit(devices[0], plan), model_flops_per_step or
+                            float("nan"), peak)
             except Exception as e:  # noqa: BLE001 - one strategy failing is a row, not a crash
                 row.status, row.reason = "not run", _failure(e)
             finally:
@@ -320,9 +359,10 @@ def run_bench(config: TrainerConfig, make_trainer: MakeTrainer, specs: Sequence[
                 gc.collect()
         _with_errors(row)
         rows.append(row)
+        plans.append(plan)
     first = None
     return Bench(rows, n, devices[0].platform, devices[0].device_kind, peak, tokens,
-                 model_flops, steps, warmup, param_bytes)
+                 model_flops_per_step or float("nan"), steps, warmup, param_bytes)
 
 
 def bench_gpt(config: Any, specs: Sequence[StrategySpec], devices: Sequence[Any],
@@ -334,9 +374,11 @@ def bench_gpt(config: Any, specs: Sequence[StrategySpec], devices: Sequence[Any]
     rng = np.random.default_rng(config.train.seed)
     tokens = rng.integers(0, gcfg.vocab_size, (shape[0], shape[1] + 1), dtype=np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    n = len(devices)
     result = run_bench(
-        config, lambda cfg, devs: gpt_trainer(cfg, devices=devs, with_data=False), specs,
-        devices, cost=gpt_costs(config, (config.model.remat,)), batch=batch,
+        config, lambda cfg, devs, plan: gpt_trainer(cfg, devices=devs, with_data=False,
+                                                    plan=plan), specs, devices,
+        plan_for=lambda cfg: gpt_plan(cfg, n, measure_cpu=True), batch=batch,
         model_flops_per_step=gcfg.flops_per_token(shape[1]) * shape[0] * shape[1],
         steps=steps, warmup=warmup, log=log)
     result.description = {"model": {"layers": gcfg.layers, "d_model": gcfg.d_model,

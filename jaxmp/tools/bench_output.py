@@ -87,15 +87,26 @@ def render(result: Bench) -> str:
                      "MFU"], rows, right=set(range(2, 16)))
     kinds = [k for k in KINDS if any((r.collective_bytes or {}).get(k) for r in ran)]
     if ran:
-        out += ["", "## Bytes each device sends per step, by collective (from the compiled HLO)",
-                ""]
-        out += md_table(["strategy", *kinds, "total", "as compiled", "temp", "compile"],
+        out += ["", "## Bytes each device sends per step, by collective", ""]
+        out += md_table(["strategy", *kinds, "total", "static bound", "as compiled", "temp",
+                         "compile"],
                         [[_label(r), *(fmt_bytes(r.collective_bytes[k]) for k in kinds),
-                          fmt_bytes(r.collective_bytes_total), fmt_bytes(r.collective_bytes_raw),
+                          fmt_bytes(r.collective_bytes_total),
+                          _opt(r.collective_bytes_static, fmt_bytes),
+                          fmt_bytes(r.collective_bytes_raw),
                           fmt_bytes(r.temp_bytes), _opt(r.compile_s, fmt_time)] for r in ran],
-                        right=set(range(1, len(kinds) + 5)))
-        out += ["", "\"as compiled\" counts the CPU backend's all-reduce + dynamic-slice as it "
-                "runs; the other columns count it as the reduce-scatter GPU and TPU compile it to."]
+                        right=set(range(1, len(kinds) + 6)))
+        executed = all(r.collectives_from == "executed" for r in ran)
+        out += ["", ("The bytes by collective are what the busiest device executed in one "
+                     "profiled step (each collective instruction's executions counted per "
+                     "device, its bytes from the compiled HLO); " if executed else
+                     "The bytes by collective are counted in the compiled HLO; ") +
+                "\"static bound\" counts the HLO with each conditional charged its largest "
+                "branch — the same for programs without conditionals, an upper bound for a "
+                "pipeline's tick loop (it charges bubble ticks, and every device with the "
+                "busiest device's branches). \"as compiled\" counts every branch and the CPU "
+                "backend's all-reduce + dynamic-slice as it runs; the other columns count that "
+                "as the reduce-scatter GPU and TPU compile it to."]
     skipped = [r for r in b.rows if r.reason]
     if skipped:
         out += ["", "## Not run", ""]

@@ -1,16 +1,25 @@
-"""Compile a Trainer's step and read what the compiled program says about itself.
+"""Compile a Trainer's step and read what the compiled program says about itself; run it once
+under the profiler to read what it executed.
 
-Memory from ``memory_analysis()``, collectives from the optimized HLO
-(:func:`jaxmp.hlo.collective_stats`), FLOPs from ``cost_analysis()``. The step is the Trainer's
-own (``Trainer.compile``), so what is measured is what ``jaxmp train`` would run.
+Memory from ``memory_analysis()`` (a conditional's temporaries are its largest branch's),
+collectives from the optimized HLO (:func:`jaxmp.hlo.collective_stats`; with conditionals,
+each charged its largest branch: :mod:`jaxmp.hlo.branches`), FLOPs from ``cost_analysis()``.
+The step is the Trainer's own (``Trainer.compile``), so what is measured is what ``jaxmp train``
+would run. :func:`executed_collectives` counts what one step executed, per device
+(:mod:`jaxmp.hlo.executed`: on the CPU backend, from a profiler trace).
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
+
 from jaxmp.hlo import CollectiveStats, collective_stats
+from jaxmp.hlo.branches import one_branch_bytes
+from jaxmp.hlo.executed import executed_bytes, module_name, trace_counts
 from jaxmp.train import Trainer
 
 
@@ -21,12 +30,19 @@ class Measured:
     argument_bytes: float
     temp_bytes: float
     collectives: CollectiveStats
+    one_branch: dict[str, float] = field(default_factory=dict)  # by kind, conditionals' max
     compiled: Any = field(repr=False, default=None)
 
     @property
     def peak_bytes(self) -> float:
         """Arguments plus temporaries: what must fit in device memory during a step."""
         return self.argument_bytes + self.temp_bytes
+
+    @property
+    def collective_bytes(self) -> float:
+        """Bytes one device sends per step at most, statically: every conditional charged
+        its largest branch (equal to the plain count for programs without one)."""
+        return sum(self.one_branch.values())
 
 
 def rel_err(predicted: float, measured: float) -> float:
@@ -40,6 +56,24 @@ def measure_step(trainer: Trainer, batch: Any = None) -> Measured:
     """Compile ``trainer``'s train step and measure it (``batch``: default its example batch)."""
     compiled = trainer.compile(batch)
     mem = compiled.memory_analysis()
+    stats = collective_stats(compiled)
     return Measured(argument_bytes=float(mem.argument_size_in_bytes),
-                    temp_bytes=float(mem.temp_size_in_bytes),
-                    collectives=collective_stats(compiled), compiled=compiled)
+                    temp_bytes=float(mem.temp_size_in_bytes), collectives=stats,
+                    one_branch=one_branch_bytes(stats, compiled), compiled=compiled)
+
+
+def executed_collectives(measured: Measured, state: Any, batch: Any
+                         ) -> tuple[Any, dict[str, float] | None]:
+    """Run ``measured``'s step once on ``state`` and ``batch`` under the profiler: (the new
+    state, the bytes by kind the busiest device executed — None where the backend records no
+    per-instruction events)."""
+    text = measured.compiled.as_text()
+    with tempfile.TemporaryDirectory(prefix="jaxmp-trace-") as tmp:
+        jax.profiler.start_trace(tmp)
+        try:
+            state, metrics = measured.compiled(state, batch)
+            jax.block_until_ready((state, metrics))
+        finally:
+            jax.profiler.stop_trace()
+        counts = trace_counts(tmp, module_name(text))
+    return state, executed_bytes(measured.collectives, counts)

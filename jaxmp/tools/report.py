@@ -123,6 +123,11 @@ def _plan_line(r: Run) -> str:
     line = f"mesh {mesh_str(p.get('mesh', {}))} on {p.get('devices', '?')} device(s)"
     if p.get("param_bytes"):
         line += f", {fmt_bytes(p['param_bytes'])} of parameters"
+    lay = p.get("layout") or {}
+    if lay:
+        line += (f"; remat {lay.get('remat')}, {lay.get('microbatches')} microbatch(es)"
+                 + (f", {lay['schedule']} x{lay.get('virtual_stages', 1)}"
+                    if lay.get("schedule") else ""))
     pred = p.get("predicted")
     if pred:
         measured = r.median("step_time_s")

@@ -4,7 +4,8 @@
 * two of them joined by ``+`` (``fsdp+tensor``, ``dp+fsdp``): the inner axis (in the mesh's
   order data, stage, fsdp, tensor) gets the smallest factor that is at least √N, the outer one
   the rest (8 devices: fsdp=2 × tensor=4);
-* ``stage``: the planner's best pipeline layout (stages, their split and the other axes);
+* ``stage``: the planner's best pipeline layout (the best plan among those with
+  ``mesh.stage`` fixed to each stage count > 1; its split and the other axes planned);
 * ``auto``: the planner's choice, as ``jaxmp train`` would run it;
 * explicit sizes, ``data=2,fsdp=4`` (``-1`` fills the rest); in a list, a repeated axis starts
   the next strategy: ``dp,data=2,fsdp=4,data=4,fsdp=2`` is three.
@@ -104,6 +105,6 @@ def parse_strategies(text: str) -> list[StrategySpec]:
     return specs
 
 
-def full_mesh(sizes: dict[str, int]) -> dict[str, int]:
-    """All four axes, in mesh order (missing ones 1)."""
-    return {a: int(sizes.get(a, 1)) for a in MESH_AXES}
+def full_mesh(sizes: dict[str, int], missing: int | str = 1) -> dict[str, int | str]:
+    """All four axes, in mesh order (missing ones ``missing``: 1, or "auto" for the planner)."""
+    return {a: int(sizes[a]) if a in sizes else missing for a in MESH_AXES}

@@ -1,13 +1,15 @@
-"""Check a plan against the compiled program: predicted versus compiled per-device argument
-bytes, peak bytes and collective bytes (``jaxmp plan --verify``).
+"""Check a plan against the compiled program (``jaxmp plan --verify``): the Trainer built from
+the very plan printed, its layout read back and compared field by field, then predicted versus
+compiled per-device argument bytes, peak bytes and collective bytes.
 
 The program compiled is the Trainer's own step, built with the Trainer's rules and path rules,
 so the check covers what ``jaxmp train`` would run — the pipeline executor too, for a plan
 with stages. On a machine without accelerators the devices are simulated CPU devices: the
-process must have been started with enough of them (``jaxmp._util.env.simulate_devices``; the
-CLI does that). The CPU backend compiles the pipeline's ``lax.cond`` branches as they are
-(collective bytes count both branches of a tick, where only one runs), so its numbers for a
-pipeline are the CPU program's, not a GPU's.
+process must have been started with enough of them (``--simulate-devices``). Collective bytes
+are counted statically with each conditional charged its largest branch
+(:mod:`jaxmp.hlo.branches`); for a pipeline that still charges every tick with a forward and a
+backward, bubbles included, so the compiled figure is an upper bound of what the plan predicts
+(what the busiest device executes; ``jaxmp bench`` measures that from a run).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxmp.errors import VerifyError
-from jaxmp.plan import Prediction
+from jaxmp.plan import Plan
 from jaxmp.tools.measure import measure_step, rel_err
 from jaxmp.train import Trainer
 
@@ -28,21 +30,23 @@ def _rel(predicted: float, compiled: float) -> dict[str, float]:
     return {"predicted": float(predicted), "compiled": float(compiled), "rel_err": err}
 
 
-def verify_prediction(make_trainer: Callable[[list], Trainer], mesh: dict[str, int],
-                      predicted: Prediction, devices: list) -> dict[str, Any]:
-    """Compile ``make_trainer(devices)`` on ``mesh`` and compare with ``predicted``.
-
-    ``make_trainer`` builds the Trainer that would run the plan (its config's mesh set to
-    ``mesh``) on the devices it is given.
-    """
-    n = math.prod(mesh.values())
+def verify_prediction(make_trainer: Callable[[list], Trainer], plan: Plan,
+                      devices: list) -> dict[str, Any]:
+    """Build ``make_trainer(devices)`` — the Trainer given ``plan`` — compile its step and
+    compare with ``plan``'s predictions."""
+    n = plan.n_devices
     if len(devices) < n:
         raise VerifyError(f"--verify needs {n} devices but this process has {len(devices)}; "
-                          f"start it with {n} simulated devices")
-    m = measure_step(make_trainer(list(devices[:n])))
-    stats = m.collectives
+                          f"add --simulate-devices {n}")
+    trainer = make_trainer(list(devices[:n]))
+    differences = trainer.executed_layout().differences(plan.layout)
+    if differences:
+        raise VerifyError("the Trainer built another layout than the plan: "
+                          + "; ".join(differences))
+    m = measure_step(trainer)
+    predicted = plan.predicted
     return {"argument_bytes": _rel(predicted.argument_bytes, m.argument_bytes),
             "peak_bytes": _rel(predicted.per_device_bytes, m.peak_bytes),
-            "comm_bytes_per_step": _rel(predicted.comm_bytes_per_step, stats.total_bytes),
-            "compiled_comm_by_kind": {k: v for k, v in stats.bytes_by_kind.items() if v},
-            "hlo_warnings": list(stats.warnings)}
+            "comm_bytes_per_step": _rel(predicted.comm_bytes_per_step, m.collective_bytes),
+            "compiled_comm_by_kind": {k: v for k, v in m.one_branch.items() if v},
+            "layout": "as planned", "hlo_warnings": list(m.collectives.warnings)}

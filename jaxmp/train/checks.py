@@ -8,7 +8,6 @@ that shards no parameter holds copies that all compute the same thing. These are
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,10 +15,9 @@ import jax
 from jax.sharding import Mesh
 
 from jaxmp import sharding
-from jaxmp._util.fmt import mesh_str
-from jaxmp.errors import ConfigError
+from jaxmp.mesh import mesh_shape
+from jaxmp.plan import check_batch as plan_check_batch
 from jaxmp.train.state import StateLayout
-from jaxmp.train.step import batch_spec
 
 PARAM_AXES = ("fsdp", "tensor")  # mesh axes whose only purpose is to split the weights
 
@@ -32,29 +30,10 @@ def _axes_of(spec: Any) -> list[str]:
     return out
 
 
-def batch_shards(mesh: Mesh, rules: Sequence) -> dict[str, int]:
-    """The mesh axes (and sizes) the rules split the logical ``batch`` over."""
-    intended = batch_spec(mesh, rules, mesh.size)  # mesh.size divides by every axis product
-    return {a: int(mesh.shape[a]) for a in _axes_of(intended)}
-
-
-def check_batch(mesh: Mesh, rules: Sequence, batch_size: int, grad_accum: int = 1) -> None:
-    """Refuse a global batch (or microbatch) that the batch axes cannot split evenly.
-
-    Without this the rules' divisibility fallback would replicate the batch: every device
-    computing every row, silently.
-    """
-    axes = batch_shards(mesh, rules)
-    n = math.prod(axes.values())
-    where = f"the {n} batch shards of mesh {mesh_str(axes)}"
-    if batch_size % n:
-        raise ConfigError(f"train.batch_size: {batch_size} does not divide over {where}; "
-                          f"use a multiple of {n}")
-    micro = batch_size // grad_accum
-    if grad_accum > 1 and micro % n:
-        raise ConfigError(f"train.batch_size: {batch_size} / train.microbatches={grad_accum} = "
-                          f"{micro} rows per microbatch, which do not divide over {where}; "
-                          f"use a multiple of {n * grad_accum}")
+def check_batch(mesh: Mesh, rules: Sequence, batch_size: int, microbatches: int = 1) -> None:
+    """Refuse a global batch (or microbatch) that ``mesh``'s batch axes cannot split evenly
+    (:func:`jaxmp.plan.check_batch`, which the planner asks first)."""
+    plan_check_batch(mesh_shape(mesh), rules, batch_size, microbatches)
 
 
 def warn_idle_axes(layout: StateLayout, rules: Sequence, path_rules: Sequence | None,

@@ -23,20 +23,23 @@ from jaxmp._util.arrays import tree_bytes
 from jaxmp._util.fmt import fmt_bytes, mesh_str
 from jaxmp._util.io import atomic_write, make_dir
 from jaxmp._util.log import say
-from jaxmp.compression.reduce import without_data
+from jaxmp.compression.reduce import Compression, without_data
 from jaxmp.config import TrainerConfig, config_to_toml
 from jaxmp.cost import ModelCost
 from jaxmp.data import to_global
+from jaxmp.errors import ConfigError
+from jaxmp.mesh import make_mesh, mesh_shape
 from jaxmp.pipeline.chunk import PipelineSpec, stack_length, to_stages
 from jaxmp.pipeline.executor import PipelineExecutor
-from jaxmp.plan import Plan
+from jaxmp.plan import Layout, Plan
+from jaxmp.plan.layout import mesh_items
 from jaxmp.train import checks, guard, peers, wire
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
 from jaxmp.train.metrics import (MetricsWriter, Profiler, Progress, batch_tokens,
                                  memory_metrics, total_peak_flops)
 from jaxmp.train.optimizer import make_optimizer, make_schedule
-from jaxmp.train.planning import (CostSource, accumulation, mesh_for, plan_model,
-                                  plan_stages)
+from jaxmp.train.planning import (CostSource, Stages, check_plan, plan_run, remat_of,
+                                  split_of)
 from jaxmp.train.preempt import Preemption
 from jaxmp.train.state import Extension, TrainState, init_state, plan_state
 from jaxmp.train.step import LossFn, batch_spec, make_eval_step, make_train_step
@@ -53,10 +56,14 @@ class Trainer:
     name the axes of parameters that carry no logical-name metadata. Both reach everything the
     Trainer does: planning, costing, the step, the lint and the checkpoints.
 
-    The mesh: the config's, or — when ``[mesh]`` is all ``auto`` — the planner's. The plan is
-    ``plan`` if given, else made here from ``cost`` (a :class:`~jaxmp.cost.ModelCost` or a
-    function returning one) or, for any model, from ``example_batch`` (global shapes: arrays or
-    ShapeDtypeStructs); with neither, an ``auto`` mesh is plain data parallelism.
+    Every decision that shapes the step — mesh, microbatches, pipeline schedule and split, the
+    data reduction, the weight-gather dtype, the compression — is the plan's
+    (:class:`~jaxmp.plan.Layout`), built as is: ``plan`` if given (made by
+    :func:`jaxmp.plan.make_plan`, as ``jaxmp train`` does), else made here by the same function
+    from ``cost`` (a :class:`~jaxmp.cost.ModelCost` or a function returning one) or, for any
+    model, from ``example_batch`` (global shapes: arrays or ShapeDtypeStructs); with neither,
+    from the config with its defaults (an all-``auto`` mesh is plain data parallelism).
+    :meth:`executed_layout` reads the layout back from what was built.
     ``extensions`` add sharded, checkpointed state beside the model's (see
     :mod:`jaxmp.train.state`). ``pipeline`` says how the model splits into stages (a
     :class:`~jaxmp.pipeline.chunk.PipelineSpec`), which ``mesh.stage > 1`` requires.
@@ -85,34 +92,66 @@ class Trainer:
         self.extensions = {**dict(extensions or {}), guard.KEY: self.guard.extension}
         self.rules = sharding.normalize_rules(sharding.DEFAULT_RULES if rules is None
                                               else rules)
+        self.pipeline, self.compute_dtype = pipeline, compute_dtype
         devices = list(devices if devices is not None else jax.devices())
-        costs = CostSource(model_fn, loss_fn, cost, example_batch, path_rules)
-        self.plan = plan if plan is not None else plan_model(
-            config, len(devices), costs, self.rules, pipeline=pipeline is not None)
-        self.mesh = mesh_for(config, devices, self.plan)
-        self.accumulation = accumulation(config, self.mesh)
+        abstract = sharding.abstract(lambda: model_fn(nnx.Rngs(0)))
+        self.stack_blocks = stack_length(abstract, pipeline)
+        self._model_remat = remat_of(abstract)  # the policy the model was built with
+        self.costs = CostSource(model_fn, loss_fn, cost, example_batch, path_rules)
+        # The one plan: given (made by the same function), or made here. Everything below
+        # builds its layout as is.
+        self.plan = plan if plan is not None else plan_run(
+            config, len(devices), self.costs, self.rules, pipeline is not None,
+            self.stack_blocks, compute_dtype, self._model_remat)
+        check_plan(self.plan, len(devices), pipeline is not None, self.stack_blocks)
+        planned = self.plan.layout
+        try:
+            self.mesh = make_mesh(planned.sizes, devices)
+        except ValueError as e:  # a layout that cannot fit the devices is bad input
+            raise ConfigError(f"mesh: {e}") from None
+        self.accumulation = planned.accumulation
         checks.check_batch(self.mesh, self.rules, config.train.batch_size,
                            self.accumulation)  # refuse a batch the mesh cannot split
-        self.extensions = {**wire.extensions(config, self.mesh, path_rules), **self.extensions}
-        self.gather = wire.gather(config, self.mesh, self.rules, compute_dtype)
+        self.extensions = {**wire.extensions(planned, path_rules), **self.extensions}
+        self.gather = wire.gather(planned, self.mesh, self.rules, compute_dtype)
         self.is_main = jax.process_index() == 0
         self.tx = make_optimizer(config.optimizer, config.train.steps)
         self.lr_schedule = make_schedule(config.optimizer, config.train.steps)
-        abstract = sharding.abstract(lambda: model_fn(nnx.Rngs(0)))
-        self.stages = plan_stages(config, self.mesh, pipeline.stack if pipeline else None,
-                                  stack_length(abstract, pipeline), costs, self.plan)
+        self.stages = Stages.of(planned)
         transform = None if self.stages is None else \
             functools.partial(to_stages, spec=pipeline, split=self.stages.split)
         self.layout = plan_state(model_fn, self.tx, self.mesh, self.rules, path_rules,
                                  self.extensions, transform)
         checks.warn_idle_axes(self.layout, self.rules, path_rules, say)
+        self.reducer = wire.reducer(planned, self.mesh, self.layout, path_rules)
         self.executor = None if self.stages is None else PipelineExecutor(
             self.layout.graphdef, self.mesh, pipeline, self.stages.schedule, self.stages.split)
         self.grad_fn = None if self.executor is None else self.executor.grad_fn(
-            without_data(self.rules) if wire.uses_reducer(config, self.mesh) else self.rules)
+            without_data(self.rules) if self.reducer is not None else self.rules)
         self.state: TrainState | None = None
         self.history: list[dict] = []
         self._batch_spec = None
+
+    def executed_layout(self) -> Layout:
+        """The layout read back from what was built — the mesh, the pipeline executor's
+        schedule, the padded stack's split, the step's accumulation, reducer and gather
+        policy, the model's (or pipeline's) remat — not copied from the plan; a test compares
+        it with ``self.plan.layout`` field by field."""
+        sizes = mesh_shape(self.mesh)
+        st = self.stages
+        if st is None:
+            schedule, virtual, microbatches, split = "", 1, self.accumulation, None
+            remat = self._model_remat
+        else:
+            s = st.schedule
+            schedule, virtual, microbatches = s.kind, s.virtual, s.microbatches
+            split = split_of(self.layout.abstract.params[self.pipeline.stack], s.stages,
+                             s.virtual, self.stack_blocks)
+            remat = self.pipeline.remat
+        comp = self.reducer.comp if self.reducer is not None else Compression()
+        return Layout(mesh_items(sizes), remat, microbatches, schedule, virtual, split,
+                      self.reducer is not None,
+                      self.gather.wire if self.gather is not None else "param", comp)
 
     # -- the one train step -------------------------------------------------------------------
     def compile(self, batch: Any = None, warmup: bool = False) -> Any:
@@ -125,11 +164,11 @@ class Trainer:
         batch = self.example_batch if batch is None else batch
         if batch is None:
             raise ValueError("Trainer.compile needs a batch (or example_batch at construction)")
+        reducer = wire.reducer(self.plan.layout, self.mesh, self.layout, self.path_rules,
+                               warmup=True) if warmup else self.reducer
         step = make_train_step(self.layout, self.loss_fn, self.tx, self.lr_schedule, batch,
                                self.accumulation, self.rules, self.config.train.seed,
-                               grad_fn=self.grad_fn, gather=self.gather,
-                               reducer=wire.reducer(self.config, self.mesh, self.layout,
-                                                    self.path_rules, warmup),
+                               grad_fn=self.grad_fn, gather=self.gather, reducer=reducer,
                                guard=self.guard)
         return step.lower(self.layout.abstract, batch).compile()
 
@@ -143,14 +182,10 @@ class Trainer:
         if not self.is_main:
             return
         atomic_write(self.run_dir / "config.toml", config_to_toml(self.config))
-        plan = {"mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
-                "devices": self.mesh.size, "processes": jax.process_count(),
+        plan = {**self.plan.to_json(), "devices": self.mesh.size,
+                "processes": jax.process_count(),
                 "param_bytes": tree_bytes(self.layout.abstract.params),
                 "state_bytes": tree_bytes(self.layout.abstract), "lint": lint.to_dict()}
-        if self.plan is not None:
-            plan.update(self.plan.to_json())
-        if self.stages is not None:
-            plan["pipeline"] = self.stages.to_json()
         atomic_write(self.run_dir / "plan.json", json.dumps(plan, indent=2, default=str) + "\n")
 
     def _flops_per_step(self, compiled: Any, tokens: int) -> float:
@@ -185,7 +220,7 @@ class Trainer:
         data_iter = resume_iterator(self.data, resumed)  # continues the stream after a resume
         batch = self._next_global(data_iter)
         step_fn = self.compile(batch)  # the same executable runs the steps and reports its cost
-        warm = wire.warmup_steps(cfg, self.mesh)  # PowerSGD's uncompressed first steps
+        warm = wire.warmup_steps(self.plan.layout)  # PowerSGD's uncompressed first steps
         warm_fn = self.compile(batch, warmup=True) if start_step < warm else None
         eval_fn = make_eval_step(
             self.layout, self.loss_fn, batch, self.rules, t.seed,
@@ -204,8 +239,9 @@ class Trainer:
                          f"{fmt_bytes(tree_bytes(self.layout.abstract.params))} params; "
                          f"steps {start_step}..{t.steps}; run dir {self.run_dir}")
         progress.message(f"jaxmp: params {lint.summary()}")
-        if wire.summary(cfg, self.mesh, self.gather):
-            progress.message(f"jaxmp: {wire.summary(cfg, self.mesh, self.gather)}")
+        wired = wire.summary(cfg, self.plan.layout, self.gather)
+        if wired:
+            progress.message(f"jaxmp: {wired}")
         if lint.warning():
             say(f"jaxmp: warning: {lint.warning()}")
         profile = Profiler(cfg.logging.profile_steps, self.run_dir, self.is_main)

@@ -1,10 +1,11 @@
-"""Where a run's layout comes from: the mesh (the config's axes, or — all ``auto`` — the
-planner's plan) and, with ``mesh.stage > 1``, the pipeline's stages and schedule.
+"""Where a Trainer's layout comes from, and how it is read back from what was built.
 
-The one place a Trainer plans. A model reaches the planner as a :class:`~jaxmp.cost.ModelCost`
-(given by a recipe, or traced from an example batch, at most once) and goes to
-:func:`jaxmp.plan.plan_for_config`, the same function ``jaxmp plan`` uses; the pipeline's stage
-boundaries come from the same per-layer costs.
+A model reaches the planner as a :class:`~jaxmp.cost.ModelCost` (given by a recipe, or traced
+from an example batch, at most once) and goes to :func:`jaxmp.plan.make_plan`, the same
+function ``jaxmp train``, ``jaxmp plan`` and ``jaxmp bench`` call; without costs the same
+function fills the layout from the config. The Trainer builds exactly the plan's
+:class:`~jaxmp.plan.Layout`; :func:`split_of` and :func:`remat_of` read two of its fields back
+from the built state and model (``Trainer.executed_layout``), so a test can compare.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
+from flax import nnx
 
 from jaxmp.config import TrainerConfig
 from jaxmp.cost import ModelCost, model_costs
 from jaxmp.errors import ConfigError
-from jaxmp.mesh import make_mesh
 from jaxmp.pipeline.schedule import Schedule
-from jaxmp.pipeline.stages import StageSplit, split_layers
-from jaxmp.plan import Plan, plan_for_config
+from jaxmp.pipeline.stages import StageSplit
+from jaxmp.plan import Layout, Plan, make_plan
+from jaxmp.sharding.tree import ROWS_KEY
 
 
 class CostSource:
@@ -46,93 +49,74 @@ class CostSource:
         return self._cost
 
 
-def plan_model(config: TrainerConfig, n_devices: int, costs: CostSource,
-               rules: Sequence | None = None, pipeline: bool = True) -> Plan | None:
-    """The plan for an all-``auto`` mesh or an ``auto`` remat policy, or None (nothing to
-    choose, or nothing to cost from).
-
-    The model is costed with the Trainer's ``path_rules`` and planned with its ``rules``, so the
-    plan's partition specs are the ones the step will use; ``pipeline``: whether the model can
-    be split into stages (the Trainer has a PipelineSpec)."""
+def plan_run(config: TrainerConfig, n_devices: int, costs: CostSource, rules: Sequence,
+             pipeline: bool, stack_blocks: int, compute_dtype: str | None,
+             remat: str) -> Plan:
+    """The Trainer's plan: :func:`jaxmp.plan.make_plan` with the model's costs when they can
+    be had (no measured numbers: every process of a run reaches the same plan)."""
     cost = costs.get()
-    if cost is None or not (config.mesh.is_auto or cost.runs_as == "auto"):
-        return None
-    plan = plan_for_config(config, cost, n_devices, rules=rules, pipeline=pipeline)
+    plan = make_plan(config, cost, n_devices, rules=rules, pipeline=pipeline,
+                     stack_blocks=stack_blocks if pipeline else None,
+                     compute_dtype=compute_dtype, remat=remat)
     plan.cost_time_s = costs.seconds
     return plan
 
 
-def accumulation(config: TrainerConfig, mesh: jax.sharding.Mesh) -> int:
-    """Microbatches the step accumulates without pipeline stages (1 for "auto"); with stages
-    the pipeline executor takes ``train.microbatches`` instead and this is 1."""
-    m = config.train.microbatches
-    return 1 if m == "auto" or int(mesh.shape["stage"]) > 1 else int(m)
+def check_plan(plan: Plan, n_devices: int, pipeline: bool, stack_blocks: int) -> None:
+    """Refuse a plan this Trainer cannot build as it is."""
+    if plan.n_devices != n_devices:
+        raise ConfigError(f"the plan is for {plan.n_devices} devices but the Trainer has "
+                          f"{n_devices}")
+    split = plan.layout.split
+    if plan.layout.stages > 1 and not pipeline:
+        raise ConfigError(f"mesh.stage={plan.layout.stages}: this model cannot be split into "
+                          f"stages (it needs a PipelineSpec: pre, a stacked layer module, post)")
+    if split is not None and split.n_blocks != stack_blocks:
+        raise ConfigError(f"the plan splits {split.n_blocks} blocks but the model's layer "
+                          f"stack has {stack_blocks}")
 
 
-def mesh_for(config: TrainerConfig, devices: Sequence[jax.Device],
-             plan: Plan | None = None) -> jax.sharding.Mesh:
-    """The mesh the config asks for; with ``mesh`` all ``auto``, the plan's (else data-parallel)."""
-    sizes = plan.mesh if plan is not None and config.mesh.is_auto else config.mesh.sizes()
-    try:
-        return make_mesh(sizes, devices)
-    except ValueError as e:  # a config that cannot fit the devices is bad input, not a crash
-        raise ConfigError(f"mesh: {e}") from None
+def split_of(stack_params: Any, stages: int, virtual: int, n_blocks: int) -> StageSplit:
+    """The stage split a padded layer stack was built with, read back from its parameters:
+    their ``[stages, virtual·Lmax, ...]`` shape and each block's padded row (the Variables'
+    row map, :data:`jaxmp.sharding.tree.ROWS_KEY`)."""
+    leaf = next(v for v in jax.tree.leaves(stack_params, is_leaf=lambda x: isinstance(
+        x, nnx.Variable)) if isinstance(v, nnx.Variable))
+    rows = np.asarray(leaf.get_metadata()[ROWS_KEY])
+    width = int(leaf.get_value().shape[1])  # virtual · Lmax
+    lmax = width // virtual
+    device, within = rows // width, rows % width
+    chunk = (within // lmax) * stages + device
+    per_chunk = np.bincount(chunk, minlength=stages * virtual)
+    # Chunk 0 starts with pre, the last ends with post; between, each chunk's blocks in order.
+    ends = 1 + np.cumsum(per_chunk)
+    ends[-1] = n_blocks + 2
+    starts = np.concatenate([[0], ends[:-1]])
+    return StageSplit(stages, virtual, tuple((int(a), int(b)) for a, b in zip(starts, ends)),
+                      n_blocks)
+
+
+def remat_of(model: nnx.Module) -> str:
+    """The remat policy a model was built with (``model.remat`` or its config's, as the GPT
+    keeps it), else ``"none"``: the model as written."""
+    for owner in (model, getattr(model, "cfg", None), getattr(model, "config", None)):
+        policy = getattr(owner, "remat", None)
+        if isinstance(policy, str):
+            return policy
+    return "none"
 
 
 @dataclass(frozen=True)
 class Stages:
-    """A pipelined run's schedule and stage split (and the JSON ``plan.json`` records)."""
+    """What a pipelined step's executor is built with: the schedule it runs (its tick tables)
+    and the split of the layer stack into chunks."""
 
     schedule: Schedule
     split: StageSplit
 
-    def to_json(self) -> dict[str, Any]:
-        s = self.schedule
-        return {"schedule": s.kind, "stages": s.stages, "virtual_stages": s.virtual,
-                "microbatches": s.microbatches, "chunks": [list(b) for b in self.split.bounds],
-                "blocks_per_chunk": self.split.per_chunk, "ticks": s.n_ticks,
-                "bubble_fraction": s.bubble_fraction,
-                "in_flight": [s.in_flight(d) for d in range(s.stages)]}
-
-
-def stage_costs(cost: ModelCost, stack: str) -> list[float]:
-    """Per-layer training FLOPs folded to the pipeline's table: everything before the stack's
-    first block is ``pre``, every block, everything after the last block is ``post``."""
-    flops = [lay.flops(cost.runs_as) for lay in cost.layers]
-    blocks = [i for i, lay in enumerate(cost.layers) if lay.group == stack and lay.kind == "block"]
-    if not blocks:
-        raise ConfigError(f"mesh.stage > 1: the model has no layer stack {stack!r} to pipeline")
-    lo, hi = blocks[0], blocks[-1] + 1
-    return [sum(flops[:lo])] + flops[lo:hi] + [sum(flops[hi:])]
-
-
-def plan_stages(config: TrainerConfig, mesh: jax.sharding.Mesh, stack: str | None,
-                n_blocks: int, costs: CostSource, plan: Plan | None) -> Stages | None:
-    """The schedule and split for ``mesh.stage > 1`` (None without stages); bad input raises."""
-    p, pc = int(mesh.shape["stage"]), config.pipeline
-    if p == 1:
-        return None
-    if stack is None:
-        raise ConfigError(f"mesh.stage={p}: this model cannot be split into stages (it needs a "
-                          f"PipelineSpec: pre, a stacked layer module, post)")
-    planned = plan is not None and plan.mesh.get("stage", 1) == p and bool(plan.schedule)
-    kind = pc.schedule if pc.schedule != "auto" else plan.schedule if planned else "1f1b"
-    v = pc.virtual_stages if pc.virtual_stages != "auto" else \
-        plan.virtual if planned and kind == plan.schedule else 2 if kind == "interleaved" else 1
-    m = config.train.microbatches if config.train.microbatches != "auto" else \
-        plan.microbatches if planned else 2 * p
-    schedule = Schedule(kind, p, m, v)
-    shards = int(mesh.shape["data"] * mesh.shape["fsdp"])
-    rows = config.train.batch_size
-    if rows % (m * shards):
-        raise ConfigError(f"train.batch_size={rows} does not split into train.microbatches="
-                          f"{m} x {shards} batch shards (data x fsdp)")
-    if pc.balance == "flops":
-        cost = costs.get()
-        if cost is None:
-            raise ConfigError("pipeline.balance='flops' needs the model's costs (give the Trainer "
-                              "an example_batch) or use pipeline.balance='layers'")
-        table = stage_costs(cost, stack)
-    else:
-        table = [1.0] * (n_blocks + 2)
-    return Stages(schedule, split_layers(table, p, v, pc.balance))
+    @classmethod
+    def of(cls, layout: Layout) -> Stages | None:
+        if layout.stages == 1:
+            return None
+        return cls(Schedule(layout.schedule, layout.stages, layout.microbatches,
+                            layout.virtual_stages), layout.split)

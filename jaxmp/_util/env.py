@@ -43,7 +43,7 @@ def simulate_devices(n: int, force_cpu: bool = True) -> None:
     """Run on ``n`` simulated CPU devices (testing a mesh without accelerators).
 
     ``force_cpu=False`` only gives the CPU backend ``n`` devices: a host with accelerators
-    still runs on them (``jaxmp bench --devices N`` means N GPUs there, N CPUs elsewhere).
+    still runs on them.
     Raises ValueError for ``n < 1`` and RuntimeError when jax's backend already started.
     """
     if n < 1:
@@ -160,15 +160,15 @@ def set_gpu_memory_fraction(fraction: float) -> bool:
     return True
 
 
-def simulate_devices_from_argv(argv: list[str], default: int = 8) -> None:
-    """For example scripts: ``--devices N`` (default ``default``) simulated CPU devices, read
-    from ``argv`` before jax starts; ``--devices 0`` keeps the real devices."""
+def simulate_devices_from_argv(argv: list[str]) -> None:
+    """For example scripts: ``--simulate-devices N`` read from ``argv`` before jax starts (the
+    flag ``jaxmp train`` takes); without it the devices present are used."""
     import argparse
 
     early = argparse.ArgumentParser(add_help=False)
-    early.add_argument("--devices", type=int, default=default)
-    n = early.parse_known_args(argv)[0].devices
-    if n > 0:
+    early.add_argument("--simulate-devices", type=int, default=None)
+    n = early.parse_known_args(argv)[0].simulate_devices
+    if n is not None:
         simulate_devices(n)
 
 

@@ -1,9 +1,13 @@
 """Train your own Flax NNX model with jaxmp: a small conv classifier on synthetic images.
 
-    python scripts/train_custom.py                     # 8 simulated CPU devices, data2×fsdp2×tensor2
-    python scripts/train_custom.py --steps 200 --set mesh.tensor=1 --set mesh.fsdp=4
-    python scripts/train_custom.py --devices 0 --set mesh.data=-1 --set mesh.fsdp=1 \
-        --set mesh.tensor=1                            # the real devices (e.g. GPUs), data parallel
+    python examples/train_custom.py --simulate-devices 8     # 8 CPU devices, data2×fsdp2×tensor2
+    python examples/train_custom.py --simulate-devices 8 --steps 200 --set mesh.tensor=1 \
+        --set mesh.fsdp=4
+    python examples/train_custom.py --set mesh.data=-1 --set mesh.fsdp=1 \
+        --set mesh.tensor=1                                  # the devices present (e.g. GPUs)
+
+``--devices N`` uses the first N devices present (default: all), ``--simulate-devices N`` gives
+the CPU backend N devices first — the same two flags as ``jaxmp train``, ``plan`` and ``bench``.
 
 Nothing here is GPT-specific, and nothing in the model mentions a mesh axis. The model names its
 array dimensions logically, in two ways at once, to show both:
@@ -27,7 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-if __name__ == "__main__":  # --devices N simulated CPU devices, set before jax starts
+if __name__ == "__main__":  # --simulate-devices N: set before jax starts
     from jaxmp._util.env import simulate_devices_from_argv
 
     simulate_devices_from_argv(sys.argv[1:])
@@ -176,14 +180,17 @@ def make_trainer(config: jaxmp.TrainerConfig, run_dir: str, devices=None) -> jax
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--devices", type=int, default=8,
-                   help="simulated CPU devices (0: use the real ones); default %(default)s")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="the number of devices to train on: the first N present (default: all)")
+    p.add_argument("--simulate-devices", type=int, default=None, metavar="N",
+                   help="N simulated CPU devices (try the mesh without accelerators)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--run-dir", default="runs/custom")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any jaxmp config key, e.g. mesh.fsdp=4 or checkpoint.every=20")
     args = p.parse_args(argv)
-    trainer = make_trainer(make_config(args.steps, args.set), args.run_dir)
+    devices = jax.devices()[:args.devices] if args.devices else None
+    trainer = make_trainer(make_config(args.steps, args.set), args.run_dir, devices)
     final = trainer.fit()
     if trainer.is_main and trainer.history:
         first = trainer.history[0]

@@ -1,8 +1,13 @@
 """A research-style Transformer LM, written the ordinary Flax NNX way, trained by jaxmp as is.
 
-    python scripts/train_research_lm.py                  # 8 simulated CPU devices, fsdp4×tensor2
-    python scripts/train_research_lm.py --steps 300 --set mesh.fsdp=8 --set mesh.tensor=1
-    python scripts/train_research_lm.py --devices 0 --set mesh.data=-1   # the real devices
+    python examples/train_research_lm.py --simulate-devices 8   # 8 CPU devices, fsdp4×tensor2
+    python examples/train_research_lm.py --simulate-devices 8 --steps 300 --set mesh.fsdp=8 \
+        --set mesh.tensor=1
+    python examples/train_research_lm.py --set mesh.data=-1 --set mesh.fsdp=1 \
+        --set mesh.tensor=1                                     # the devices present (e.g. GPUs)
+
+``--devices N`` uses the first N devices present (default: all), ``--simulate-devices N`` gives
+the CPU backend N devices first — the same two flags as ``jaxmp train``, ``plan`` and ``bench``.
 
 The model is what an lm1b-style example looks like: stock ``nnx.Embed``,
 ``nnx.MultiHeadAttention``, ``nnx.LayerNorm``, ``nnx.Linear`` and ``nnx.Dropout``, parameters
@@ -28,7 +33,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-if __name__ == "__main__":  # --devices N simulated CPU devices, set before jax starts
+if __name__ == "__main__":  # --simulate-devices N: set before jax starts
     from jaxmp._util.env import simulate_devices_from_argv
 
     simulate_devices_from_argv(sys.argv[1:])
@@ -156,14 +161,17 @@ def make_trainer(config: jaxmp.Config, run_dir: str, devices=None,
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--devices", type=int, default=8,
-                   help="simulated CPU devices (0: use the real ones); default %(default)s")
+    p.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="the number of devices to train on: the first N present (default: all)")
+    p.add_argument("--simulate-devices", type=int, default=None, metavar="N",
+                   help="N simulated CPU devices (try the mesh without accelerators)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--run-dir", default="runs/research-lm")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any jaxmp config key, e.g. mesh.fsdp=8 or checkpoint.every=20")
     args = p.parse_args(argv)
-    trainer = make_trainer(make_config(args.steps, args.set), args.run_dir)
+    devices = jax.devices()[:args.devices] if args.devices else None
+    trainer = make_trainer(make_config(args.steps, args.set), args.run_dir, devices)
     final = trainer.fit()
     if trainer.is_main and trainer.history:
         first = trainer.history[0]

@@ -25,12 +25,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="ckpt_command", required=True)
 
     ls = sub.add_parser("list", help="steps, save time, size, complete or not")
-    ls.add_argument("dir", metavar="RUN_OR_CKPT_DIR")
+    ls.add_argument("dir", metavar="RUN_OR_CKPT_DIR", help="a run directory or its checkpoints/")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=cmd_list)
 
     ins = sub.add_parser("inspect", help="arrays: shapes, dtypes, logical axes, saved sharding")
-    ins.add_argument("dir", metavar="RUN_OR_CKPT_DIR")
+    ins.add_argument("dir", metavar="RUN_OR_CKPT_DIR", help="a run directory or its checkpoints/")
     ins.add_argument("--step", type=int, default=None, help="default: latest complete step")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.add_argument("--digest", action="store_true",
@@ -39,7 +39,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     ex = sub.add_parser("export", help="write one single-host .safetensors file, or a Hugging "
                                        "Face Llama folder")
-    ex.add_argument("dir", metavar="RUN_OR_CKPT_DIR")
+    ex.add_argument("dir", metavar="RUN_OR_CKPT_DIR", help="a run directory or its checkpoints/")
     ex.add_argument("--step", type=int, default=None, help="default: latest complete step")
     ex.add_argument("--out", required=True, metavar="FILE.safetensors|DIR",
                     help="the .safetensors file; with --format llama, a folder")

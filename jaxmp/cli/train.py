@@ -26,8 +26,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="run on N simulated CPU devices (try a mesh on a laptop)")
     t.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="multi-process: address of process 0")
-    t.add_argument("--num-processes", type=int, default=None)
-    t.add_argument("--process-id", type=int, default=None)
+    t.add_argument("--num-processes", type=int, default=None, metavar="N",
+                   help="multi-process: how many processes the run has")
+    t.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="multi-process: this process's index, 0 to N-1")
     t.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
                    help="multi-process: seconds without heartbeats after which a process "
                         "counts as lost and the others stop (default %(default)s)")

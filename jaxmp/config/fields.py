@@ -6,9 +6,14 @@ override or Python. The trainer's sections and the GPT recipe's sections are bot
 and so can a research project's own ``[model]`` section. Stdlib only (no jax).
 """
 
+import ast
 import dataclasses
+import inspect
+import io
 import math
 import operator
+import textwrap
+import tokenize
 import types
 from dataclasses import field
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin
@@ -70,6 +75,11 @@ def coerce(key: str, tp: Any, value: Any) -> Any:
     raise ConfigError(f"{key}: expected {describe(tp)}, got {show(value)}")
 
 
+def describe_bounds(bounds: Any) -> str:
+    """A field's range bounds in words: ``{"ge": 1, "lt": 1}`` → ``">= 1 and < 1"``."""
+    return " and ".join(f"{_BOUNDS[op][1]} {b}" for op, b in bounds.items())
+
+
 def bounded(default: Any, **bounds: float) -> Any:
     """A field with range bounds (ge/gt/le/lt) that ``Section`` checks at construction."""
     return field(default=default, metadata=bounds)
@@ -89,10 +99,36 @@ class Section:
             key = f"{self.section}.{f.name}"
             value = coerce(key, f.type, getattr(self, f.name))
             if f.metadata and not all(_BOUNDS[op][0](value, b) for op, b in f.metadata.items()):
-                why = " and ".join(f"{_BOUNDS[op][1]} {b}" for op, b in f.metadata.items())
-                raise ConfigError(f"{key}: must be {why}, got {show(value)}")
+                raise ConfigError(f"{key}: must be {describe_bounds(f.metadata)}, "
+                                  f"got {show(value)}")
             object.__setattr__(self, f.name, value)
         self._validate()
 
     def _validate(self) -> None:
         """Constraints between fields of one section (ranges are in the field metadata)."""
+
+
+def field_docs(section: type) -> dict[str, str]:
+    """Each field's meaning, read from the section's source: the comment lines right above the
+    field, then the comment on its own line(s). The schema stays plain dataclass code, and the
+    generated reference (docs/config.md) cannot drift from it. A field without one maps to ""."""
+    source = textwrap.dedent(inspect.getsource(section))
+    comments: dict[int, tuple[str, bool]] = {}  # line -> (text, on a line of its own)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            alone = not tok.line[:tok.start[1]].strip()
+            comments[tok.start[0]] = (tok.string.lstrip("#").strip(), alone)
+    names = [f.name for f in dataclasses.fields(section)]
+    docs = {}
+    for node in ast.parse(source).body[0].body:  # type: ignore[attr-defined]
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and node.target.id in names):
+            continue
+        above, line = [], node.lineno - 1
+        while line in comments and comments[line][1]:
+            above.insert(0, comments[line][0])
+            line -= 1
+        after = [comments[n][0] for n in range(node.lineno, (node.end_lineno or node.lineno) + 1)
+                 if n in comments and not comments[n][1]]
+        docs[node.target.id] = " ".join(above + after)
+    return {name: docs.get(name, "") for name in names}

@@ -143,13 +143,14 @@ def config_to_dict(config: TrainerConfig) -> dict[str, dict[str, Any]]:
             for name in section_types(type(config))}
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """A value as TOML writes it (a config.toml line, a default in docs/config.md)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     escape = {"\\": "\\\\", '"': '\\"'}
     return '"' + "".join(escape.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 32 or ord(c) == 127
                                            else c) for c in value) + '"'
@@ -159,5 +160,5 @@ def config_to_toml(config: TrainerConfig) -> str:
     """The effective config as TOML (a run directory's config.toml); loads back equal."""
     lines = ["# Effective jaxmp config: defaults, then the config file, then --set overrides."]
     for name, table in config_to_dict(config).items():
-        lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+        lines += ["", f"[{name}]"] + [f"{k} = {toml_value(v)}" for k, v in table.items()]
     return "\n".join(lines) + "\n"

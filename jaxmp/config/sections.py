@@ -5,6 +5,10 @@ These are all a :class:`jaxmp.Trainer` reads, whatever the model; a recipe adds 
 :class:`TrainerConfig`. Stdlib only and jax-free on purpose: the CLI reads ``xla.flags`` from
 here and must put them in ``XLA_FLAGS`` before jax is first imported. (No ``from __future__ import
 annotations``: the field types are read at run time to check values.)
+
+Each field's meaning is the comment on its line, after the comment lines right above it (if
+any): :func:`jaxmp.config.fields.field_docs` reads them, and docs/config.md is generated from
+them (``python scripts/docs.py``), so a new key documents itself where it is declared.
 """
 
 
@@ -56,10 +60,12 @@ class MeshConfig(Section):
     :func:`jaxmp.plan.make_plan`."""
 
     section: ClassVar[str] = "mesh"
-    data: AxisSize = "auto"
-    stage: AxisSize = "auto"
+    data: AxisSize = "auto"  # replicas, each on its own slice of the batch
+    stage: AxisSize = "auto"  # pipeline stages: the layers split in groups (docs/pipeline.md)
+    # parameters, gradients and optimizer state sharded, weights gathered per layer (ZeRO-3);
+    # it also splits the batch
     fsdp: AxisSize = "auto"
-    tensor: AxisSize = "auto"
+    tensor: AxisSize = "auto"  # each layer's matmuls split (Megatron-style; the fastest links)
 
     def _validate(self) -> None:
         for axis, size in self.explicit().items():
@@ -92,37 +98,35 @@ class MeshConfig(Section):
 
 @dataclass(frozen=True)
 class OptimizerConfig(Section):
-    """AdamW, linear warmup then cosine decay to ``lr * min_lr_ratio``; clip_norm 0 = off."""
+    """AdamW, linear warmup then cosine decay to ``lr * min_lr_ratio``, global-norm clipping."""
 
     section: ClassVar[str] = "optimizer"
-    lr: float = bounded(3e-3, gt=0)
-    min_lr_ratio: float = bounded(0.1, ge=0, le=1)
-    warmup_steps: int = bounded(20, ge=0)
-    weight_decay: float = bounded(0.1, ge=0)
-    beta1: float = bounded(0.9, ge=0, lt=1)
-    beta2: float = bounded(0.95, ge=0, lt=1)
-    eps: float = bounded(1e-8, gt=0)
-    clip_norm: float = bounded(1.0, ge=0)
+    lr: float = bounded(3e-3, gt=0)  # peak learning rate, reached after warmup_steps
+    min_lr_ratio: float = bounded(0.1, ge=0, le=1)  # the cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = bounded(20, ge=0)  # linear warmup from 0 to lr
+    weight_decay: float = bounded(0.1, ge=0)  # AdamW's decoupled decay, on arrays of 2+ dims
+    beta1: float = bounded(0.9, ge=0, lt=1)  # Adam's first-moment decay
+    beta2: float = bounded(0.95, ge=0, lt=1)  # Adam's second-moment decay
+    eps: float = bounded(1e-8, gt=0)  # Adam's denominator epsilon
+    clip_norm: float = bounded(1.0, ge=0)  # global gradient-norm clipping; 0 = off
 
 
 @dataclass(frozen=True)
 class TrainConfig(Section):
-    """Loop length and batch. batch_size is global, in sequences.
-
-    microbatches: how many pieces one step's batch is cut into — accumulated gradients without
-    pipeline stages, the pipeline's microbatches with them; "auto": the planner's choice (1 when
-    nothing needs more). max_skipped: a step with a non-finite loss or gradient changes nothing
-    (it is skipped and counted); this many in a row stop the run (exit 1). See
-    :mod:`jaxmp.train.guard`.
-    """
+    """Loop length, batch and evaluation. A step with a non-finite loss or gradient changes
+    nothing (it is skipped and counted); max_skipped in a row stop the run (exit 1), see
+    :mod:`jaxmp.train.guard`."""
 
     section: ClassVar[str] = "train"
-    steps: int = bounded(200, ge=1)
-    batch_size: int = bounded(16, ge=1)
-    seed: int = bounded(0, ge=0)
+    steps: int = bounded(200, ge=1)  # optimizer steps of the run (a resumed run counts on)
+    batch_size: int = bounded(16, ge=1)  # global, in sequences (all devices and processes)
+    seed: int = bounded(0, ge=0)  # parameters, data order and per-step randomness
+    # pieces one step's batch is cut into: accumulated gradients without pipeline stages, the
+    # pipeline's microbatches with them; "auto": the plan's choice (without costs to plan
+    # from: 2 x the stages with a pipeline, else 1)
     microbatches: int | Literal["auto"] = "auto"
-    eval_every: int = bounded(100, ge=0)  # 0 = no evaluation
-    eval_batches: int = bounded(4, ge=1)
+    eval_every: int = bounded(100, ge=0)  # steps between evaluations; 0 = no evaluation
+    eval_batches: int = bounded(4, ge=1)  # batches of held-out data per evaluation
     max_skipped: int = bounded(5, ge=1)  # consecutive non-finite steps skipped before stopping
 
     def _validate(self) -> None:
@@ -139,35 +143,37 @@ class CompressionConfig(Section):
     compute dtype, where the recipe says what it is; "param": the stored dtype)."""
 
     section: ClassVar[str] = "compression"
-    gradients: GradCompression = "none"
+    gradients: GradCompression = "none"  # the encoding of the data-axis gradient reduction
     error_feedback: bool = True  # int8 / powersgd: carry what compression dropped to next step
     int8_block: int = bounded(256, ge=8)  # values per int8 scale
-    powersgd_rank: int = bounded(4, ge=1)
-    powersgd_start: int = bounded(10, ge=0)  # uncompressed warm-up steps
+    powersgd_rank: int = bounded(4, ge=1)  # rank of PowerSGD's sketch
+    powersgd_start: int = bounded(10, ge=0)  # steps reduced uncompressed before PowerSGD starts
+    # fsdp weight gathers: "auto" = the model's compute dtype, "param" = as stored
     weights: WeightGather = "auto"
 
 
 @dataclass(frozen=True)
 class CheckpointConfig(Section):
-    """every: period in steps (0 = only at the end); keep_period K > 0 keeps every K-th step."""
+    """Sharded checkpoints in the run directory's ``checkpoints/``; rerunning the same command
+    resumes from the latest complete one (docs/reliability.md)."""
 
     section: ClassVar[str] = "checkpoint"
-    every: int = bounded(100, ge=0)
-    keep: int = bounded(3, ge=1)
-    keep_period: int = bounded(0, ge=0)
-    async_save: bool = True
-    enabled: bool = True
+    every: int = bounded(100, ge=0)  # steps between saves; 0 = only at the end
+    keep: int = bounded(3, ge=1)  # the latest checkpoints kept
+    keep_period: int = bounded(0, ge=0)  # K > 0 also keeps every K-th step for good
+    async_save: bool = True  # write in the background; the loop waits only for the device copy
+    enabled: bool = True  # false: no checkpoints (and no resume)
 
 
 @dataclass(frozen=True)
 class LoggingConfig(Section):
-    """profile_steps: [] or the [start, stop) steps to capture in a jax.profiler trace."""
+    """What a run reports: ``metrics.jsonl``, TensorBoard, the progress bar, profiler traces."""
 
     section: ClassVar[str] = "logging"
-    every: int = bounded(10, ge=1)
-    profile_steps: tuple[int, ...] = ()
-    progress: bool = True
-    tensorboard: bool = True
+    every: int = bounded(10, ge=1)  # steps between metrics lines (metrics.jsonl, TensorBoard)
+    profile_steps: tuple[int, ...] = ()  # [start, stop): write a jax.profiler trace of them
+    progress: bool = True  # the progress bar (plain lines when not a terminal)
+    tensorboard: bool = True  # event files in the run directory's tensorboard/
 
     def _validate(self) -> None:
         ps = self.profile_steps
@@ -177,12 +183,12 @@ class LoggingConfig(Section):
 
 @dataclass(frozen=True)
 class XlaConfig(Section):
-    """flags: appended to XLA_FLAGS before jax starts; matmul_precision: jax's default."""
+    """XLA's and jax's own settings, applied before the first step is compiled."""
 
     section: ClassVar[str] = "xla"
-    flags: str = ""
+    flags: str = ""  # appended to XLA_FLAGS before jax starts
     matmul_precision: Literal["default", "high", "highest", "bfloat16", "tensorfloat32",
-                              "float32"] = "default"
+                              "float32"] = "default"  # jax's default matmul precision
 
     def _validate(self) -> None:
         for flag in self.flags.split():
@@ -194,13 +200,13 @@ class DeviceConfig(Section):
     """Device profile for MFU and the planner; 0 keeps the detected profile's value."""
 
     section: ClassVar[str] = "device"
-    kind: str = "auto"  # "auto" (detect), or a profile name: A100-40GB, A100-80GB, H100,
-    # H100-96GB, H200, CPU
+    # "auto" (detect), or a profile name: A100-40GB, A100-80GB, H100, H100-96GB, H200, CPU
+    kind: str = "auto"
     peak_flops: float = bounded(0.0, ge=0)  # FLOP/s per device (dense bf16)
-    memory_bytes: float = bounded(0.0, ge=0)
+    memory_bytes: float = bounded(0.0, ge=0)  # device memory in bytes
     intra_host_bw: float = bounded(0.0, ge=0)  # bytes/s per device inside a host
     inter_host_bw: float = bounded(0.0, ge=0)  # bytes/s per device across hosts
-    devices_per_host: int = bounded(0, ge=0)
+    devices_per_host: int = bounded(0, ge=0)  # devices sharing the fast intra-host links
     usable_fraction: float = bounded(0.0, ge=0, le=1)  # of memory_bytes the planner may fill
     efficiency: float = bounded(0.0, ge=0, le=1)  # achievable fraction of peak_flops
 
@@ -211,10 +217,13 @@ class PipelineConfig(Section):
     microbatches are ``train.microbatches``."""
 
     section: ClassVar[str] = "pipeline"
-    # "auto": the plan's (without costs to plan from: 1f1b, 2 virtual stages for interleaved)
+    # the order microbatches go through the stages; "auto": the plan's (without costs to plan
+    # from: 1f1b)
     schedule: Literal["auto", Schedule] = "auto"
-    virtual_stages: int | Literal["auto"] = "auto"  # chunks per device (interleaved: >= 2)
-    balance: Balance = "flops"  # stage boundaries by per-layer FLOPs or count
+    # chunks per device (interleaved: >= 2); "auto": the plan's (without costs: 1, 2 for
+    # interleaved)
+    virtual_stages: int | Literal["auto"] = "auto"
+    balance: Balance = "flops"  # stage boundaries by per-layer FLOPs, or equal layer counts
 
     def _validate(self) -> None:
         require(self.virtual_stages == "auto" or self.virtual_stages >= 1,

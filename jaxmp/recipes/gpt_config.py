@@ -3,7 +3,8 @@
 ``jaxmp.load_config`` (and ``jaxmp train``) load this schema; the defaults *are*
 ``configs/tiny.toml`` (tested). Stdlib only, like :mod:`jaxmp.config`: the CLI loads a config
 before jax may be imported. (No ``from __future__ import annotations``: field types are read at
-run time.)
+run time.) Each field's meaning is the comment on its line and the comment lines right above
+it, as in :mod:`jaxmp.config.sections`: docs/config.md is generated from them.
 """
 
 import math
@@ -25,30 +26,35 @@ class ModelConfig(Section):
     0 in vocab_size "from the data" (see :func:`jaxmp.recipes.gpt.resolve_data`)."""
 
     section: ClassVar[str] = "model"
-    layers: int = bounded(4, ge=1)
-    d_model: int = bounded(128, ge=1)
-    heads: int = bounded(4, ge=1)
-    kv_heads: int = bounded(0, ge=0)
-    head_dim: int = bounded(0, ge=0)
+    layers: int = bounded(4, ge=1)  # transformer blocks
+    d_model: int = bounded(128, ge=1)  # width of the residual stream
+    heads: int = bounded(4, ge=1)  # attention (query) heads
+    kv_heads: int = bounded(0, ge=0)  # key/value heads; fewer than heads = grouped-query; 0 = heads
+    head_dim: int = bounded(0, ge=0)  # 0 = d_model / heads
+    # hidden MLP width; 0 = 4 * d_model (gelu) or 8/3 * d_model rounded up to 64 (swiglu)
     mlp_dim: int = bounded(0, ge=0)
+    # 0 = from the data: 256 (bytes) for stdlib, synthetic and .bin; a prepared folder's
+    # tokenizer size rounded up to a multiple of 64
     vocab_size: int = bounded(0, ge=0)
-    activation: Literal["gelu", "swiglu"] = "gelu"
-    tie_embeddings: bool = True
-    scan_layers: bool = True
-    remat: Literal["auto", RematPolicy] = "none"  # "auto": the plan's
+    activation: Literal["gelu", "swiglu"] = "gelu"  # the MLP's (swiglu: Llama's gated MLP)
+    tie_embeddings: bool = True  # the output head reuses the token embedding
+    scan_layers: bool = True  # one compiled block body under lax.scan (fast compiles)
+    # what the backward pass recomputes instead of storing; "auto": the plan's choice
+    remat: Literal["auto", RematPolicy] = "none"
     # "auto": cuDNN's flash attention where it runs (jaxmp.models.attention), else XLA's
     attention: Literal["auto", AttentionKind] = "auto"
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    norm_eps: float = bounded(1e-5, gt=0)
-    init_std: float = bounded(0.02, gt=0)
-    rope_theta: float = bounded(10000.0, gt=1)
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # matmuls and activations
+    param_dtype: Literal["float32", "bfloat16"] = "float32"  # stored parameters (master weights)
+    norm_eps: float = bounded(1e-5, gt=0)  # RMSNorm's epsilon
+    init_std: float = bounded(0.02, gt=0)  # standard deviation of the initial weights
+    rope_theta: float = bounded(10000.0, gt=1)  # rotary embedding base (Llama 3: 500000.0)
+    # "llama3": Llama 3.1's long-context frequency rescaling (the rope_* keys below)
     rope_scaling: Literal["none", "llama3"] = "none"
-    rope_factor: float = bounded(8.0, ge=1)  # the rest: only read with rope_scaling="llama3"
-    rope_low_freq_factor: float = bounded(1.0, gt=0)
-    rope_high_freq_factor: float = bounded(4.0, gt=0)
-    rope_original_max_positions: int = bounded(8192, ge=1)
-    qkv_bias: bool = False
+    rope_factor: float = bounded(8.0, ge=1)  # llama3: long wavelengths slowed by this factor
+    rope_low_freq_factor: float = bounded(1.0, gt=0)  # llama3: original_max / this = long end
+    rope_high_freq_factor: float = bounded(4.0, gt=0)  # llama3: original_max / this = short end
+    rope_original_max_positions: int = bounded(8192, ge=1)  # llama3: the pre-training context
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
 
     def _validate(self) -> None:
         require(self.vocab_size != 1, "model.vocab_size", "must be 0 (from the data) or >= 2",
@@ -92,10 +98,12 @@ class DataConfig(Section):
     folder written by ``jaxmp data prepare`` (whose meta.json sets the token dtype)."""
 
     section: ClassVar[str] = "data"
+    # "stdlib" (Python's own sources as bytes), "synthetic", a .bin token file, or a folder
+    # written by `jaxmp data prepare`
     source: str = "stdlib"
-    seq_len: int = bounded(128, ge=2)
-    token_dtype: Literal["uint16", "uint32"] = "uint16"
-    eval_fraction: float = bounded(0.01, ge=0, lt=0.5)
+    seq_len: int = bounded(128, ge=2)  # tokens per sequence
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # of a .bin (a folder: its meta.json)
+    eval_fraction: float = bounded(0.01, ge=0, lt=0.5)  # held-out tail of the stream, for eval
 
     def _validate(self) -> None:
         require(self.source in ("stdlib", "synthetic") or self.source.endswith(".bin")

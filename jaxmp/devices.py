@@ -9,7 +9,7 @@ RAM, which all simulated devices of the host share.
 No training step runs at the datasheet peak. ``efficiency`` is the fraction of ``peak_flops``
 a transformer's training compute reaches in practice (matmuls with the memory-bound operations
 between them, before communication and pipeline bubbles), from public measurements for GPUs
-and measured here for the CPU (``scripts/device_efficiency.py``); docs/planner.md lists the
+and measured here for the CPU (``python scripts/measure.py device-efficiency``); docs/planner.md lists the
 sources. ``overlap``: the backend runs collectives asynchronously beside compute (XLA's
 latency-hiding scheduler on GPUs); the CPU backend does not.
 """
@@ -67,7 +67,7 @@ PROFILES: dict[str, DeviceProfile] = {
     "H200": DeviceProfile("H200", 989e12, 141e9, 450e9, 50e9, efficiency=0.50),
     # CPU: peak measured at run time (a 1024^2 float32 matmul), memory read from the host;
     # "links" are memcpy. A GPT's forward + backward reaches about half the matmul rate
-    # (scripts/device_efficiency.py on 2 cores: 0.009 of 0.018 TFLOP/s).
+    # (scripts/measure.py device-efficiency on 2 cores: 0.009 of 0.018 TFLOP/s).
     "CPU": DeviceProfile("CPU", 5e10, 16 * GiB, 1e10, 1e9, devices_per_host=0,
                          usable_fraction=0.8, efficiency=0.5, overlap=False, shared_host=True,
                          upcasts_16bit=True),

@@ -2,7 +2,7 @@
 """Kill `jaxmp train` with SIGKILL at random moments, restart it, and check nothing was lost.
 
     python scripts/chaos.py                          # K=20 kills, 1 process x 4 simulated devices
-    python scripts/chaos.py --processes 2 --devices 2   # 2 processes x 2 devices (gloo)
+    python scripts/chaos.py --processes 2 --simulate-devices 2   # 2 processes x 2 devices (gloo)
     python scripts/chaos.py --kills 3 --steps 30 --json  # what the test suite runs
 
 First an uninterrupted run of the config (the reference), then the same config in another run
@@ -75,7 +75,7 @@ class Run:
         self.procs, self.logs = [], []
         for i in range(args.processes):
             cmd = [sys.executable, "-m", "jaxmp.cli", "train", *sets, "--run-dir", str(run_dir),
-                   "--simulate-devices", str(args.devices)]
+                   "--simulate-devices", str(args.simulate_devices)]
             if args.processes > 1:
                 cmd += ["--coordinator", f"127.0.0.1:{port}", "--num-processes",
                         str(args.processes), "--process-id", str(i)]
@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kills", type=int, default=20, help="SIGKILLs (default %(default)s)")
     p.add_argument("--processes", type=int, default=1)
-    p.add_argument("--devices", type=int, default=4, help="simulated CPU devices per process")
+    p.add_argument("--simulate-devices", type=int, default=4, metavar="N",
+                   help="simulated CPU devices per process (default %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="default: 8 x kills + 16")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill schedule")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         and report["resumes_ok"] == report["restarts_judged"] and not report["resume_problems"]
         and all(s["exited"] and s["clear"] for s in survivors))
     report.update(seconds=round(time.monotonic() - t0, 1), work=str(work),
-                  processes=args.processes, devices=args.devices, kills=args.kills)
+                  processes=args.processes, devices=args.simulate_devices, kills=args.kills)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

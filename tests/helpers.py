@@ -1,10 +1,8 @@
-"""Shared test fixtures: a tiny GPT whose dims divide by 8, a single-device reference, a
-small generated text corpus, and the example trainers of examples/."""
+"""Shared test fixtures: a tiny GPT whose dims divide by 8, a single-device reference, and a
+small generated text corpus."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import signal
 from pathlib import Path
 
@@ -12,21 +10,6 @@ import jax
 import numpy as np
 
 from jaxmp.models import GPT, GPTConfig
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def load_example(name: str):
-    """``examples/<name>.py`` as a module (its device preamble runs only as ``__main__``).
-    examples/ is not part of the jaxmp package: the tests load the files as users run them."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
-
 
 TINY = GPTConfig(vocab_size=256, layers=2, d_model=64, heads=8, kv_heads=8, head_dim=8,
                  mlp_dim=256)

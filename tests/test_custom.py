@@ -16,7 +16,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import rules
-from helpers import load_example
 
 STEPS = 30
 QUIET = ["checkpoint.enabled=false", "logging.every=1", "logging.tensorboard=false"]
@@ -25,7 +24,9 @@ QUIET = ["checkpoint.enabled=false", "logging.every=1", "logging.tensorboard=fal
 @pytest.fixture(scope="module")
 def tc():
     """examples/train_custom.py imported as a module (its device preamble runs only as __main__)."""
-    return load_example("train_custom")
+    import train_custom
+
+    return train_custom
 
 
 @pytest.fixture(scope="module")

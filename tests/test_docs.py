@@ -162,3 +162,31 @@ def test_the_default_checker_sees_a_wrong_default() -> None:
         ("train.max_skipped", False)]
     assert _quoted_keys("`train.steps=3` and `model.eval()`, `mesh.nope`\n") == [
         (1, "train.steps"), (1, "mesh.nope")]
+
+
+STUDY = re.compile(r"scripts/measure\.py ([a-z][a-z-]*)")
+
+
+def test_every_quoted_study_exists(monkeypatch) -> None:
+    """`python scripts/measure.py STUDY` in a doc names a study of the driver, and each study
+    names a doc that quotes its command."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # as `python scripts/measure.py` runs
+    import measure
+    quoted = {(doc.relative_to(ROOT).as_posix(), name) for doc in DOCS
+              for name in STUDY.findall(_text(doc))}
+    unknown = sorted(f"{doc}: {name}" for doc, name in quoted if name not in measure.STUDIES)
+    assert not unknown, f"docs quote studies scripts/measure.py does not have: {unknown}"
+    unquoted = sorted(f"{name} -> {measure.study(name).DOC}" for name in measure.STUDIES
+                      if (measure.study(name).DOC, name) not in quoted)
+    assert not unquoted, f"studies whose doc does not quote their command: {unquoted}"
+
+
+def test_the_driver_lists_its_studies_and_refuses_an_unknown_one(monkeypatch, capsys) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import measure
+
+    assert measure.main([]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in measure.STUDIES)
+    assert measure.main(["no-such-study"]) == 2
+    assert "unknown study 'no-such-study'" in capsys.readouterr().err

@@ -19,7 +19,7 @@ from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
 from jaxmp.tools.bench import Row, measure_row, plan_strategy, random_batch
 from jaxmp.tools.strategies import parse_strategies
 
-STRATEGIES = "dp,fsdp,tensor,fsdp+tensor,dp+fsdp,stage,auto"  # scripts/strategies_doc.py's
+STRATEGIES = "dp,fsdp,tensor,fsdp+tensor,dp+fsdp,stage,auto"  # scripts/studies/strategies.py
 N = 8
 
 

@@ -18,7 +18,7 @@ from jaxmp.checkpoint.records import flat_paths
 from jaxmp.hlo import collective_stats
 from jaxmp.plan import make_plan
 from jaxmp.train.planning import CostSource
-from helpers import Recorder, load_example
+from helpers import Recorder
 
 QUIET = ["checkpoint.enabled=false", "logging.progress=false", "logging.tensorboard=false",
          "logging.every=1", "optimizer.eps=1e-4"]
@@ -26,7 +26,9 @@ QUIET = ["checkpoint.enabled=false", "logging.progress=false", "logging.tensorbo
 
 @pytest.fixture(scope="module")
 def lm():
-    return load_example("train_research_lm")
+    import train_research_lm
+
+    return train_research_lm
 
 
 def _example(lm, rows: int = 16):
@@ -149,7 +151,8 @@ def test_rules_replace_the_defaults_in_the_trainer(lm):
 
 def test_path_rules_reach_the_planner():
     """A model named only by path rules is costed and planned sharded, not replicated."""
-    tc = load_example("train_custom")
+    import train_custom as tc
+
     config = jaxmp.load_config(None, ["train.batch_size=32"], schema=jaxmp.TrainerConfig)
     example = {"images": jax.ShapeDtypeStruct((32, *tc.IMAGE), np.float32),
                "labels": jax.ShapeDtypeStruct((32,), np.int32)}

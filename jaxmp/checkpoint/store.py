@@ -34,7 +34,7 @@ TMP_MARK = ".orbax-checkpoint-tmp"
 REQUIRED_ITEMS = ("state", "meta")
 # Orbax compresses array chunks with zstd by default. Float weights barely compress (~8%: only
 # the exponent bits) while zstd halved save and restore throughput on the CI box
-# (scripts/bench_checkpoint.py, docs/benchmarks.md), so jaxmp writes them raw; reads take both.
+# (scripts/measure.py checkpoint, docs/benchmarks.md), so jaxmp writes them raw; reads take both.
 COMPRESS = False
 _ASIDE = re.compile(r"^(\d+)\.(damaged|incomplete)(-\d+)?$")
 _TMP = re.compile(r"^(\d+)" + re.escape(TMP_MARK))

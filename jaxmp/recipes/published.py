@@ -3,9 +3,9 @@
 Each :class:`PublishedRun` is a model, a global batch, a device count and kind, the layout the
 run used and its published step time. :func:`evaluate` costs the model (traced with a scanned
 stack: seconds, even for 1T parameters), plans it on those devices, and predicts the published
-layout with the same planning call, its settings fixed (as ``jaxmp plan --compare`` does). docs/planner.md's
-table "published run -> jaxmp's prediction" is ``python scripts/planner_published.py``; the
-test suite asserts the goals (tests/test_published.py).
+layout with the same planning call, its settings fixed (as ``jaxmp plan --compare`` does).
+docs/planner.md's table "published run -> jaxmp's prediction" is ``python scripts/measure.py
+published``; the test suite asserts the goals (tests/test_published.py).
 
 The runs were PyTorch programs, whose caching allocator can fill nearly all of a GPU
 (torchtitan's 8B row reports 82.4 of 95.6 GiB), so they are judged against 95 % of device

@@ -1,7 +1,7 @@
 """Pipeline stages balanced by FLOPs vs by layer count, measured; schedule pictures.
 
-    python scripts/bench_pipeline.py                 # docs/pipeline.md's tables and PNG
-    python scripts/bench_pipeline.py --repeats 9 --png docs/pipeline_schedules.png
+    python scripts/measure.py pipeline --simulate-devices 4   # docs/pipeline.md's tables, PNG
+    python scripts/measure.py pipeline --simulate-devices 4 --repeats 9 --png /tmp/schedules.png
 
 A GPT whose output head is worth several blocks (vocab 8192, d_model 128, 12 blocks) is split
 into 4 stages two ways: ``pipeline.balance = "flops"`` (the cost model's per-layer FLOPs, the
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import time
 
-from jaxmp._util.env import simulate_devices
+from studies.common import devices, times
 
+DOC = "docs/pipeline.md"
+DEVICES = True
 STAGES, MICRO = 4, 8
 SETS = ["model.layers=12", "model.d_model=128", "model.heads=4", "model.vocab_size=8192",
         "data.seq_len=128", "train.batch_size=32", "data.source=synthetic",
@@ -65,18 +65,6 @@ def stage_fns(config, split):
     return out
 
 
-def timed(fn, args, repeats: int) -> list[float]:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return times
-
-
 def measure_splits(config, splits, repeats: int) -> dict:
     """Median forward and backward seconds per chunk, splits measured interleaved."""
     fns = {name: stage_fns(config, s) for name, s in splits.items()}
@@ -84,8 +72,8 @@ def measure_splits(config, splits, repeats: int) -> dict:
     for _ in range(repeats):  # A B A B: load changes hit every split alike
         for name, chunk_fns in fns.items():
             for c, (fwd, fb, args) in enumerate(chunk_fns):
-                samples[name][c][0].extend(timed(fwd, args, 1))
-                samples[name][c][1].extend(timed(fb, args, 1))
+                samples[name][c][0].extend(times(fwd, args, 1))
+                samples[name][c][1].extend(times(fb, args, 1))
     out = {}
     for name, per in samples.items():
         f = [statistics.median(a) for a, _ in per]
@@ -95,17 +83,15 @@ def measure_splits(config, splits, repeats: int) -> dict:
     return out
 
 
-def run_on_cpu(schedule: str, extra: list[str], steps: int) -> float:
-    """Median step time of the real pipelined Trainer on 4 simulated CPU devices."""
-    import jax
-
+def run_on_cpu(schedule: str, extra: list[str], steps: int, devs: list) -> float:
+    """Median step time of the real pipelined Trainer on the first STAGES devices."""
     import jaxmp
     from jaxmp.recipes.gpt import gpt_trainer
 
     config = jaxmp.load_config(None, SETS + [f"mesh.stage={STAGES}", f"train.steps={steps}",
                                              f"pipeline.schedule={schedule}",
                                              "logging.every=1", *extra])
-    trainer = gpt_trainer(config, "/tmp/jaxmp-bench-pipeline", devices=jax.devices()[:STAGES])
+    trainer = gpt_trainer(config, "/tmp/jaxmp-bench-pipeline", devices=devs[:STAGES])
     trainer.fit()
     return statistics.median(h["step_time_s"] for h in trainer.history[2:])
 
@@ -142,21 +128,24 @@ def draw(schedules, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--steps", type=int, default=6, help="steps of each real 4-device run")
     p.add_argument("--png", default="docs/pipeline_schedules.png")
-    args = p.parse_args(argv)
-    simulate_devices(STAGES)
+
+
+def run(args: argparse.Namespace) -> int:
+    devs = devices(args, at_least=STAGES)
     import jaxmp
+    from jaxmp.pipeline.footprint import fold, stack_span
     from jaxmp.pipeline.schedule import Schedule
     from jaxmp.pipeline.stages import split_layers
     from jaxmp.recipes.gpt import gpt_costs
-    from jaxmp.train.planning import stage_costs
 
     config = jaxmp.load_config(None, SETS)
-    table = stage_costs(gpt_costs(config, ("none",)), "blocks")
+    layers = gpt_costs(config, ("none",)).layers  # folded as the planner folds them
+    table = fold([lay.flops("none") for lay in layers],
+                 stack_span([lay.kind for lay in layers], [lay.group or lay.name for lay in layers]))
     splits = {"flops": split_layers(table, STAGES, 1, "flops"),
               "layers": split_layers(table, STAGES, 1, "layers"),
               "flops, V=2": split_layers(table, STAGES, 2, "flops")}
@@ -188,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| schedule (4 simulated CPU devices, flops split) | median step s |\n|---|---:|")
     for kind, extra in (("gpipe", []), ("1f1b", []),
                         ("interleaved", ["pipeline.virtual_stages=2"])):
-        print(f"| {kind} | {run_on_cpu(kind, extra, args.steps):.3f} |", flush=True)
+        print(f"| {kind} | {run_on_cpu(kind, extra, args.steps, devs):.3f} |", flush=True)
     draw([(f"GPipe, P={STAGES}, M={MICRO}", Schedule("gpipe", STAGES, MICRO)),
           (f"1F1B, P={STAGES}, M={MICRO}", Schedule("1f1b", STAGES, MICRO)),
           (f"interleaved 1F1B, P={STAGES}, M={MICRO}, V=2",
@@ -196,6 +185,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {args.png}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

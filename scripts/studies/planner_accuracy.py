@@ -1,24 +1,28 @@
-"""Regenerate the accuracy tables of docs/planner.md.
+"""The planner's predictions against Megatron's formula, XLA and the compiled step.
 
-    python scripts/planner_accuracy.py [--set KEY=VALUE ...] [--meshes data8,fsdp8,tensor8,d2f2t2]
+    python scripts/measure.py planner-accuracy --simulate-devices 8 [--set KEY=VALUE ...]
+        [--meshes dp,fsdp,tensor,data=2,fsdp=2,tensor=2] [--megatron-configs] [--skip-layers]
+
+Regenerates the accuracy tables of docs/planner.md:
 
 1. training FLOPs of the cost model vs Megatron's 72·B·s·l·h²·(1 + s/6h) + 6·B·s·h·V;
 2. each distinct layer's forward (and forward + backward) FLOPs vs XLA's ``cost_analysis`` of
    the layer compiled alone;
-3. on 8 simulated CPU devices, predicted vs compiled per-device argument bytes, peak bytes
-   (argument + temp) and collective bytes for data, fsdp, tensor and a hybrid mesh, and with
-   ``--meshes s2d4,s2f2t2,s4d2`` for pipeline stages (the plan's schedule and microbatches).
+3. on the devices (the doc: 8 simulated CPU devices), predicted vs compiled per-device
+   argument bytes, peak bytes (argument + temp) and collective bytes for data, fsdp, tensor
+   and a hybrid mesh, and with ``--meshes stage=2,data=4,stage=2,fsdp=2,tensor=2,stage=4,data=2``
+   for pipeline stages (the plan's schedule and microbatches). ``--meshes`` names meshes as
+   ``jaxmp bench --strategies`` does.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
-MESHES = {"data8": {"data": 8}, "fsdp8": {"fsdp": 8}, "tensor8": {"tensor": 8},
-          "d2f2t2": {"data": 2, "fsdp": 2, "tensor": 2}, "d4t2": {"data": 4, "tensor": 2},
-          "f4t2": {"fsdp": 4, "tensor": 2}, "s2d4": {"stage": 2, "data": 4},
-          "s2f2t2": {"stage": 2, "fsdp": 2, "tensor": 2}, "s4d2": {"stage": 4, "data": 2}}
+from studies.common import devices, mesh_sets, meshes
+
+DOC = "docs/planner.md"
+DEVICES = True
 
 
 def megatron_flops(config) -> tuple[float, float]:
@@ -33,24 +37,22 @@ def megatron_flops(config) -> tuple[float, float]:
     return ref, gpt_costs(config, ("none",)).flops_per_step("none")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--meshes", default="data8,fsdp8,tensor8,d2f2t2")
+    p.add_argument("--meshes", default="dp,fsdp,tensor,data=2,fsdp=2,tensor=2",
+                   help="meshes as `jaxmp bench --strategies` names them (default %(default)s)")
     p.add_argument("--skip-layers", action="store_true", help="skip the XLA layer compiles")
     p.add_argument("--megatron-configs", action="store_true",
                    help="also compare FLOPs for the bundled configs and a 175B shape")
-    args = p.parse_args(argv)
-    from jaxmp._util.env import simulate_devices
 
-    simulate_devices(8)
-    import jax
 
+def run(args: argparse.Namespace) -> int:
     from jaxmp.cost import xla_layer_check
     from jaxmp.recipes.gpt import gpt_costs, gpt_plan, gpt_trainer
     from jaxmp.recipes.gpt_config import CONFIG_DIR, load_config
     from jaxmp.tools.verify import verify_prediction
 
+    devs = devices(args)
     base = load_config(None, args.set)
     label = " ".join(args.set) or "configs/tiny.toml"
     print(f"## {label}\n")
@@ -81,14 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         print()
     print("| mesh | argument bytes (pred / compiled / err) | peak bytes | collective bytes |\n"
           "|---|---|---|---|")
-    for name in args.meshes.split(","):
-        axes = MESHES[name]
-        fixed = [f"mesh.{a}={axes.get(a, 1)}" for a in ("data", "stage", "fsdp", "tensor")]
-        config = load_config(None, args.set + fixed)
-        plan = gpt_plan(config, 8, "CPU", strict=True)
+    for name, axes in meshes(args.meshes, len(devs)):
+        config = load_config(None, args.set + mesh_sets(axes))
+        plan = gpt_plan(config, len(devs), "CPU", strict=True)
         v = verify_prediction(
             lambda d, c=config, p=plan: gpt_trainer(c, devices=d, with_data=False, plan=p),
-            plan, jax.devices())
+            plan, devs)
         cells = [f"{v[k]['predicted'] / 2**20:.2f} / {v[k]['compiled'] / 2**20:.2f} MiB / "
                  f"{v[k]['rel_err']:.1%}" for k in ("argument_bytes", "peak_bytes",
                                                     "comm_bytes_per_step")]
@@ -98,6 +98,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,19 +1,27 @@
-"""Regenerate docs/planner.md's table "published run -> jaxmp's prediction".
+"""Published training runs as jaxmp predicts them, and the layout it chooses instead.
 
-    python scripts/planner_published.py
+    python scripts/measure.py published
 
-For each published run (jaxmp/recipes/published.py): the layout it used as jaxmp predicts it
+Regenerates docs/planner.md's table "published run -> jaxmp's prediction". For each published run (jaxmp/recipes/published.py): the layout it used as jaxmp predicts it
 (per-device memory, step time and its error against the published one), and the layout jaxmp
 chooses instead. Planning only: nothing is compiled. Also plans GPT-3 175B on 1024 H100s.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
+DOC = "docs/planner.md"
+DEVICES = False  # planning only: each run's own device count and kind
 
-def main() -> int:
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """No options: the runs are jaxmp/recipes/published.py's."""
+
+
+def run(args: argparse.Namespace) -> int:
     from jaxmp._util.fmt import fmt_bytes, fmt_time, mesh_str
     from jaxmp.recipes.gpt import gpt_costs, gpt_plan
     from jaxmp.recipes.published import GPT3_175B, RUNS, evaluate
@@ -46,6 +54,3 @@ def main() -> int:
           f"({time.perf_counter() - start:.1f} s with the cost model)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,9 @@
-"""Measure the achievable compute efficiency of the device present: what fraction of its peak
-FLOP/s a large matmul and a GPT's forward + backward pass reach. The planner's time model
-divides FLOPs by ``peak_flops x efficiency`` (docs/planner.md, "Device profiles").
+"""The fraction of the device's peak FLOP/s a large matmul and a GPT's training pass reach.
 
-    python scripts/device_efficiency.py [--set KEY=VALUE ...] [--repeats N]
+The planner's time model divides FLOPs by ``peak_flops x efficiency`` (docs/planner.md,
+"Device profiles"); this measures the efficiency on the device present.
+
+    python scripts/measure.py device-efficiency [--set KEY=VALUE ...] [--repeats N]
 
 On a CPU the profile's peak is itself a measured matmul rate (``jaxmp.devices``), so the number
 that matters is the model's rate over the matmul rate; on a GPU both are printed against the
@@ -13,32 +14,28 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import time
 
+from studies.common import times
+
+DOC = "docs/planner.md"
+DEVICES = False
 # The model measured by default: big enough that matmuls dominate, small enough for 2 CPU cores.
 DEFAULT = ["model.layers=2", "model.d_model=512", "model.heads=8", "model.vocab_size=1024",
            "data.seq_len=256", "train.batch_size=8", "data.source=synthetic"]
 
 
 def _best(fn, args, repeats: int) -> tuple[float, list[float]]:
-    fn(*args)  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn(*args)
-        import jax
-
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - start)
-    return min(times), times
+    """The fastest of ``repeats`` timed calls (after a compiling one), and all of them."""
+    samples = times(fn, args, repeats)
+    return min(samples), samples
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -76,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return jax.value_and_grad(loss)(params)
 
-    best, times = _best(step, (params, batch), args.repeats)
+    best, samples = _best(step, (params, batch), args.repeats)
     achieved = flops / best
     print(f"GPT forward+backward ({', '.join(args.set) or 'default shape'}): {flops:.3g} FLOP in "
-          f"{best * 1e3:.1f} ms (median {statistics.median(times) * 1e3:.1f} ms): "
+          f"{best * 1e3:.1f} ms (median {statistics.median(samples) * 1e3:.1f} ms): "
           f"{achieved / 1e12:.3f} TFLOP/s")
     print(f"efficiency vs the matmul rate: {achieved / matmul:.2f}")
     if not on_cpu:
@@ -88,6 +85,3 @@ def main(argv: list[str] | None = None) -> int:
               f"model {achieved / peak:.2f}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

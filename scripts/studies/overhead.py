@@ -1,7 +1,7 @@
 """Overhead of the `jaxmp train` loop against a minimal hand-written jax + optax loop.
 
-    python scripts/bench_overhead.py                      # tiny config, 1 CPU device
-    python scripts/bench_overhead.py --pairs 7 --steps 160 --set model.d_model=64
+    python scripts/measure.py overhead                    # tiny config, 1 CPU device
+    python scripts/measure.py overhead --pairs 7 --steps 160 --set model.d_model=64
 
 A (the Trainer, exactly as `jaxmp train` builds it: ``gpt_trainer(config).fit()``) and B (a
 hand-written loop: the same GPT, loss, optax AdamW + clipping, mesh and parameter shardings,
@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 
-from jaxmp._util.env import simulate_devices
+from jaxmp.errors import UsageError
+from studies.common import devices
 
+DOC = "docs/benchmarks.md"
+DEVICES = True
 
 CLOCKS = ("wall", "cpu", "host")
 
@@ -56,16 +58,16 @@ def per_step(times: list[tuple[float, ...]], steps: int, every: int) -> tuple[fl
     return tuple((b - a) / (steps - 2 * every) for a, b in zip(first, last))
 
 
-def run_trainer(config, run_dir: str, steps: int, every: int) -> tuple[tuple, float]:
+def run_trainer(config, run_dir: str, steps: int, every: int, devs: list) -> tuple[tuple, float]:
     from jaxmp.recipes.gpt import gpt_trainer
 
-    trainer = gpt_trainer(config, run_dir)
+    trainer = gpt_trainer(config, run_dir, devices=devs)
     trainer.data = stamped = Stamped(trainer.data)
     final = trainer.fit()
     return per_step(stamped.times, steps, every), final["loss"]
 
 
-def run_hand(config, mesh_shape: dict, steps: int, every: int) -> tuple[tuple, float]:
+def run_hand(config, mesh_shape: dict, steps: int, every: int, devs: list) -> tuple[tuple, float]:
     """The loop a person would write with jax, optax and the same model and shardings."""
     import jax
     import optax
@@ -78,7 +80,7 @@ def run_hand(config, mesh_shape: dict, steps: int, every: int) -> tuple[tuple, f
     from jaxmp.recipes.gpt import gpt_model_fn, lm_batches
 
     o = config.optimizer
-    mesh = jaxmp.make_mesh(mesh_shape)
+    mesh = jaxmp.make_mesh(mesh_shape, devs)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, o.lr, min(o.warmup_steps, steps - 1), steps, o.lr * o.min_lr_ratio)
     tx = optax.chain(optax.clip_by_global_norm(o.clip_norm),
@@ -114,24 +116,23 @@ def run_hand(config, mesh_shape: dict, steps: int, every: int) -> tuple[tuple, f
     return per_step(data.times, steps, every), loss
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pairs", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=120)
-    ap.add_argument("--every", type=int, default=10, help="logging.every (both loops)")
-    ap.add_argument("--devices", type=int, default=None, help="simulated CPU devices")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    args = ap.parse_args()
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--every", type=int, default=10, help="logging.every (both loops)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
+
+def run(args: argparse.Namespace) -> int:
     if args.steps < 3 * args.every:
-        ap.error("--steps must be at least 3 x --every")
-    if args.devices:
-        simulate_devices(args.devices)
+        raise UsageError("--steps must be at least 3 x --every")
+    devs = devices(args)
     from jaxmp.recipes.gpt import gpt_trainer
     from jaxmp.recipes.gpt_config import load_config
 
     config = load_config(None, [f"train.steps={args.steps}", f"logging.every={args.every}",
                                 "checkpoint.enabled=false", "train.eval_every=0", *args.set])
-    mesh_shape = dict(gpt_trainer(config, with_data=False).mesh.shape)  # the planner's mesh
+    mesh_shape = dict(gpt_trainer(config, with_data=False, devices=devs).mesh.shape)  # planned
     print(f"# {args.pairs} pairs of {args.steps} steps, mesh {mesh_shape}, "
           f"overrides {args.set or 'none'}; seconds per step over steps "
           f"[{args.every}, {args.steps - args.every})", flush=True)
@@ -142,8 +143,8 @@ def main() -> int:
             order = ("a", "b") if i % 2 == 0 else ("b", "a")
             got = {}
             for which in order:
-                got[which] = run_trainer(config, f"{tmp}/a{i}", args.steps, args.every) \
-                    if which == "a" else run_hand(config, mesh_shape, args.steps, args.every)
+                got[which] = run_trainer(config, f"{tmp}/a{i}", args.steps, args.every, devs) \
+                    if which == "a" else run_hand(config, mesh_shape, args.steps, args.every, devs)
             (a, loss_a), (b, loss_b) = got["a"], got["b"]
             same = abs(loss_a - loss_b) < 1e-3 * max(1.0, abs(loss_b))
             tag = "warm-up" if i == 0 else f"pair {i}"
@@ -160,6 +161,3 @@ def main() -> int:
               f"min {min(rs):.4f}, max {max(rs):.4f} (pairs: {' / '.join(f'{r:.3f}' for r in rs)})")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

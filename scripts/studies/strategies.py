@@ -1,10 +1,9 @@
-"""Regenerate the measured tables of docs/strategies.md: `jaxmp bench` on 8 simulated CPU devices
-for the default model and for a model about ten times its parameter count.
+"""Strategies side by side: `jaxmp bench` of the default model and of one ten times its size.
 
-    python scripts/strategies_doc.py                  # both models (~5 minutes on 2 cores)
-    python scripts/strategies_doc.py --only default   # one of them
+    python scripts/measure.py strategies --simulate-devices 8                 # ~5 min on 2 cores
+    python scripts/measure.py strategies --simulate-devices 8 --only default  # one of them
 
-Each model's bench.md, bench.json and charts go to docs/strategies/<name>/; the text between
+Regenerates the measured tables of docs/strategies.md. Each model's bench.md, bench.json and charts go to docs/strategies/<name>/; the text between
 ``<!-- bench:<name> -->`` and ``<!-- /bench:<name> -->`` in docs/strategies.md is replaced by
 that bench.md (its tables and charts), everything else in the doc is left as written.
 """
@@ -14,10 +13,11 @@ import argparse
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "strategies.md"
+from studies.common import ROOT
+
+DOC = "docs/strategies.md"
+DEVICES = True  # passed on to `jaxmp bench`
 OUT = ROOT / "docs" / "strategies"
 STRATEGIES = "dp,fsdp,tensor,fsdp+tensor,dp+fsdp,stage,auto"
 MODELS = {
@@ -28,14 +28,18 @@ MODELS = {
 }
 
 
-def bench(name: str, steps: int, warmup: int) -> Path:
+def bench(name: str, args: argparse.Namespace) -> str:
+    """`jaxmp bench` of one model, as a user runs it; its bench.md."""
     out = OUT / name
     sets = [x for s in MODELS[name] for x in ("--set", s)]
-    cmd = [sys.executable, "-m", "jaxmp.cli", "bench", "--simulate-devices", "8", "--strategies",
-           STRATEGIES, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out), *sets]
+    devices = [x for flag, n in (("--devices", args.devices),
+                                 ("--simulate-devices", args.simulate_devices))
+               if n is not None for x in (flag, str(n))]
+    cmd = [sys.executable, "-m", "jaxmp.cli", "bench", *devices, "--strategies", STRATEGIES,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out), *sets]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    return out / "bench.md"
+    return (out / "bench.md").read_text()
 
 
 def splice(doc: str, name: str, md: str, where: str) -> str:
@@ -52,20 +56,17 @@ def splice(doc: str, name: str, md: str, where: str) -> str:
     return f"{head}{start}\n{body}\n{end}{tail}"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", choices=sorted(MODELS), default=None)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    args = ap.parse_args()
-    doc = DOC.read_text()
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--only", choices=sorted(MODELS), default=None)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = ROOT / DOC
+    doc = path.read_text()
     for name in [args.only] if args.only else list(MODELS):
-        md = bench(name, args.steps, args.warmup).read_text()
-        doc = splice(doc, name, md, f"strategies/{name}")
-    DOC.write_text(doc)
+        doc = splice(doc, name, bench(name, args), f"strategies/{name}")
+    path.write_text(doc)
     print(f"updated {DOC}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

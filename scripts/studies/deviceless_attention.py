@@ -1,9 +1,10 @@
-"""Per-device memory of jaxmp's GPT train step with XLA's and cuDNN's attention, compiled for
-H100s that are not attached (XLA's GPU compiler on this CPU machine), and the planner's
-prediction beside it.
+"""Memory of the GPT train step with XLA's and cuDNN's attention, compiled for absent GPUs.
 
-    python scripts/deviceless_attention.py [--devices 8] [--kind H100] [--seqs 2048 8192]
-        [--set KEY=VALUE ...]
+The step is compiled for H100s that are not attached (XLA's GPU compiler on this CPU machine);
+the planner's prediction is printed beside each compiled number.
+
+    python scripts/measure.py deviceless-attention [--devices 8] [--kind H100]
+        [--seqs 2048 8192] [--set KEY=VALUE ...]
 
 Needs JAX's CUDA plugin (``pip install -e ".[cuda]"``); nothing runs, so no GPU is needed.
 Prints a markdown table: compile time, the compiled program's temporaries and peak
@@ -17,21 +18,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
+
+DOC = "docs/benchmarks.md"
+DEVICES = False  # GPUs that are not attached: --devices is how many the program is compiled for
 
 # A GPT block stack at long sequences: attention is most of the activations.
 DEFAULT = ["model.layers=4", "model.d_model=512", "model.heads=8", "model.vocab_size=256",
            "model.compute_dtype=bfloat16", "data.source=synthetic"]
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--kind", default="H100")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", type=int, default=8, metavar="N",
+                   help="the number of GPUs to compile for (default %(default)s)")
+    p.add_argument("--kind", default="H100", help="their device profile (default %(default)s)")
     p.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     os.environ["JAX_PLATFORMS"] = "cpu"  # the plugin must not look for a driver
 
     from jaxmp.hlo import collective_overlap
@@ -68,6 +73,3 @@ def main(argv: list[str]) -> int:
                   f"{ov.exposed_loop_all_gathers} of {len(ov.loop_all_gathers)} |", flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,11 +1,11 @@
 """Does compressing the gradient reduction hurt training? The default run, seven ways.
 
-    python scripts/compression_curves.py              # 7 runs x 300 steps, one after another
-    python scripts/compression_curves.py --plot-only  # redraw from the run directories
+    python scripts/measure.py compression-curves --simulate-devices 4   # 7 runs x 300 steps
+    python scripts/measure.py compression-curves --simulate-devices 4 --plot-only  # redraw
 
 Each run is ``jaxmp train`` with the defaults (configs/tiny.toml: the byte-level GPT on the
-stdlib corpus, batch 16 x 128) on ``--devices`` simulated CPU devices, all on the data axis,
-for ``--steps`` steps, evaluated every 50: uncompressed, bf16, int8 with and without error
+stdlib corpus, batch 16 x 128) on the simulated CPU devices, all on the data axis, for
+``--steps`` steps, evaluated every 50: uncompressed, bf16, int8 with and without error
 feedback, PowerSGD rank 4 and 16, and rank 4 after 100 uncompressed steps. Bytes per step
 come from each run's compiled step (``jaxmp.hlo.collective_stats``), and the step time a
 slow link would add is those bytes over the inter-host bandwidth of a device profile (A100:
@@ -21,6 +21,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jaxmp.errors import UsageError
+
+DOC = "docs/compression.md"
+DEVICES = True
+
 VARIANTS = [
     ("none", []),
     ("bf16", ["compression.gradients=bfloat16"]),
@@ -29,13 +34,14 @@ VARIANTS = [
     ("PowerSGD rank 4", ["compression.gradients=powersgd", "compression.powersgd_rank=4"]),
     ("PowerSGD rank 16", ["compression.gradients=powersgd", "compression.powersgd_rank=16"]),
     ("PowerSGD rank 4, 100 warm-up steps", ["compression.gradients=powersgd",
-                                            "compression.powersgd_rank=4", "compression.powersgd_start=100"]),
+                                            "compression.powersgd_rank=4",
+                                            "compression.powersgd_start=100"]),
 ]
 PROFILE = "A100-80GB"  # its inter-host link: 25 GB/s per device
 
 
 def common(args: argparse.Namespace) -> list[str]:
-    return [f"mesh.data={args.devices}", f"train.steps={args.steps}", "train.eval_every=50",
+    return [f"mesh.data={args.n}", f"train.steps={args.steps}", "train.eval_every=50",
             "logging.every=10", "checkpoint.enabled=false", "logging.tensorboard=false"]
 
 
@@ -46,7 +52,7 @@ def slug(name: str) -> str:
 def train(args: argparse.Namespace, name: str, sets: list[str]) -> None:
     run = args.runs / slug(name)
     shutil.rmtree(run, ignore_errors=True)
-    cmd = [sys.executable, "-m", "jaxmp.cli", "train", "--simulate-devices", str(args.devices),
+    cmd = [sys.executable, "-m", "jaxmp.cli", "train", "--simulate-devices", str(args.n),
            "--run-dir", str(run)]
     for s in common(args) + sets:
         cmd += ["--set", s]
@@ -56,18 +62,18 @@ def train(args: argparse.Namespace, name: str, sets: list[str]) -> None:
 
 def step_bytes(args: argparse.Namespace) -> dict[str, float]:
     """Bytes each device sends per step, from the compiled step of each variant."""
-    from jaxmp._util.env import simulate_devices
+    import jax
 
-    simulate_devices(args.devices)
     import jaxmp
     from jaxmp.hlo import collective_stats
     from jaxmp.recipes.gpt import gpt_trainer
 
+    devices = jax.devices()[:args.n]
     out = {}
     for name, sets in VARIANTS:
         config = jaxmp.load_config(None, common(args) + sets)
-        out[name] = collective_stats(gpt_trainer(config, "unused", with_data=False).compile()
-                                     ).total_bytes
+        trainer = gpt_trainer(config, "unused", devices=devices, with_data=False)
+        out[name] = collective_stats(trainer.compile()).total_bytes
     return out
 
 
@@ -79,18 +85,22 @@ def curves(args: argparse.Namespace, name: str) -> dict[str, list]:
             "eval_loss": [r["eval_loss"] for r in rows if "eval_loss" in r]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--devices", type=int, default=4)
-    parser.add_argument("--runs", type=Path, default=Path("runs/compression"))
-    parser.add_argument("--out", type=Path, default=Path("docs/compression_curves.png"))
-    parser.add_argument("--plot-only", action="store_true")
-    args = parser.parse_args()
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--runs", type=Path, default=Path("runs/compression"))
+    p.add_argument("--out", type=Path, default=Path("docs/compression_curves.png"))
+    p.add_argument("--plot-only", action="store_true", help="redraw from the run directories")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.simulate_devices is None:
+        raise UsageError("compression-curves trains on simulated CPU devices: give "
+                         "--simulate-devices N (the doc's runs: 4)")
+    args.n = args.devices or args.simulate_devices
     try:
         import matplotlib
     except ImportError:
-        sys.exit("compression_curves.py needs matplotlib: pip install -e '.[report]'")
+        raise UsageError("compression-curves needs matplotlib: pip install -e '.[report]'")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -116,7 +126,7 @@ def main() -> None:
         left.plot(d["step"], d["loss"], label=label)
         right.plot(d["eval_step"], d["eval_loss"], marker="o", label=name)
     left.set(xlabel="step", ylabel="train loss (nats/byte)", yscale="log",
-             title=f"jaxmp train defaults, data={args.devices}, bytes each device sends")
+             title=f"jaxmp train defaults, data={args.n}, bytes each device sends")
     right.set(xlabel="step", ylabel="eval loss (nats/byte)", title="held-out loss")
     left.legend(fontsize=8)
     right.legend(fontsize=8)
@@ -131,7 +141,4 @@ def main() -> None:
               f"{s['bytes_per_step'] / summary['none']['bytes_per_step']:.3f} | "
               f"{s['slow_link_ms']:.2f} ms | {s['final_loss']:.4f} | {s['final_eval_loss']:.4f} "
               f"| {100 * s['eval_vs_none']:+.2f} % |")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """How long `jaxmp data prepare` takes on a 100 MB corpus, and how much memory it holds.
 
-    python scripts/bench_prepare.py --mb 10,100 --bpe 8192 --repeats 2 --dir /tmp/jaxmp-bench-prepare
+    python scripts/measure.py prepare --mb 10,100 --bpe 8192 --repeats 2 --dir /tmp/jaxmp-bench-prepare
 
 The corpus is this Python's standard-library sources (the UTF-8 ones) concatenated again and
 again into 8 MiB files until it reaches each ``--mb`` size: real text, no download. For each
@@ -29,6 +28,10 @@ import sysconfig
 import time
 from pathlib import Path
 
+from jaxmp.errors import Failure
+
+DOC = "docs/benchmarks.md"
+DEVICES = False  # no devices: `jaxmp data prepare` runs on the host
 PART = 8 * 2**20
 
 
@@ -66,7 +69,7 @@ def make_corpus(folder: Path, mb: int) -> int:
     return written
 
 
-def run(corpus: Path, out: Path, tokenizer: str) -> dict:
+def prepare(corpus: Path, out: Path, tokenizer: str) -> dict:
     cmd = [sys.executable, "-m", "jaxmp.cli", "data", "prepare", str(corpus), "--out", str(out),
            "--tokenizer", tokenizer, "--json"]
     start = time.perf_counter()
@@ -75,20 +78,21 @@ def run(corpus: Path, out: Path, tokenizer: str) -> dict:
     seconds = time.perf_counter() - start
     stdout, stderr = proc.stdout.read(), proc.stderr.read()
     if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"{' '.join(cmd)} failed: {stderr}")
+        raise Failure(f"{' '.join(cmd)} failed: {stderr}")
     meta = json.loads(stdout)
     return {"seconds": meta["seconds"], "wall": seconds,
             "tokens": meta["train_tokens"] + meta["val_tokens"],
             "bytes": meta["bytes"], "rss": usage.ru_maxrss * 1024, "vocab": meta["vocab_size"]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mb", default="100", help="corpus sizes in MB, comma-separated")
-    ap.add_argument("--bpe", type=int, default=8192, help="BPE vocabulary size")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--dir", default="/tmp/jaxmp-bench-prepare")
-    args = ap.parse_args()
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mb", default="100", help="corpus sizes in MB, comma-separated")
+    p.add_argument("--bpe", type=int, default=8192, help="BPE vocabulary size")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dir", default="/tmp/jaxmp-bench-prepare")
+
+
+def run(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     print(f"# python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f} at start")
@@ -104,15 +108,14 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, spec in variants.items():
                 out = root / f"out-{mb}-{'bpe' if name.startswith('bpe') else name.split()[0]}"
-                results[name].append(run(corpus, out, spec))
+                results[name].append(prepare(corpus, out, spec))
         for name, rs in results.items():
             secs = [r["seconds"] for r in rs]
             med, r0 = statistics.median(secs), rs[0]
             wall = statistics.median(r["wall"] for r in rs)
             print(f"| {size / 1e6:.1f} MB | {name} | {med:.3g} ({min(secs):.3g}–{max(secs):.3g})"
-                  f" | {wall:.1f} | {r0['tokens']:,} | {r0['tokens'] / med:,.0f} | {size / 1e6 / med:.1f} | "
+                  f" | {wall:.1f} | {r0['tokens']:,} | {r0['tokens'] / med:,.0f} | "
+                  f"{size / 1e6 / med:.1f} | "
                   f"{max(r['rss'] for r in rs) / 2**20:.0f} MiB |", flush=True)
+    return 0
 
-
-if __name__ == "__main__":
-    main()

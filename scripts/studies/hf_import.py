@@ -1,13 +1,13 @@
-#!/usr/bin/env python
-"""Host memory and throughput of `jaxmp ckpt import` / `export --format llama` on a >= 1 GB
-Llama-shaped checkpoint, onto simulated devices.
+"""Host memory and throughput of `jaxmp ckpt import` / `export --format llama` at >= 1 GB.
 
-    python scripts/bench_hf_import.py --gb 1 --devices 8 --dir /tmp/jaxmp-hf-bench
+The checkpoint is a random Llama-shaped one, imported onto the devices asked for.
+
+    python scripts/measure.py hf-import --gb 1 --simulate-devices 8 --dir /tmp/jaxmp-hf-bench
 
 1. Writes a random ``LlamaForCausalLM`` folder of about ``--gb`` GB (bf16, d_model 2048,
    grouped-query attention, untied head; the layer count sets the size), streamed one tensor at
    a time, and evicts it from the page cache.
-2. In a fresh child process per phase (``--devices`` simulated CPU devices, one ``fsdp`` axis):
+2. In a fresh child process per phase (the devices asked for, one ``fsdp`` axis):
    jax started and the mesh built, then the baseline RSS taken and the peak reset
    (``/proc/self/clear_refs``), then
    - ``place``: every param built on the mesh from the HF tensors and dropped when built (what
@@ -35,9 +35,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench_checkpoint import _evict as evict  # noqa: E402 - drops a folder's page cache
+from jaxmp.errors import Failure
+from studies.common import ROOT, devices, evict
 
-ROOT = Path(__file__).resolve().parents[1]
+DOC = "docs/huggingface.md"
+DEVICES = True
 MIB = 2**20
 
 
@@ -116,7 +118,7 @@ def measured(place, baseline: int, out: dict, keep: bool):
     return wrapped
 
 
-def child(phase: str, dtype: str, folder: Path, work: Path) -> dict:
+def child(phase: str, dtype: str, folder: Path, work: Path, devs: list) -> dict:
     """One phase in this (fresh) process; returns its measurements."""
     from jaxmp._util.env import return_large_frees
 
@@ -130,14 +132,14 @@ def child(phase: str, dtype: str, folder: Path, work: Path) -> dict:
     from jaxmp.recipes.gpt import model_gpt_config
     from jaxmp.recipes.hf import hf_config, import_run
 
-    mesh = jaxmp.make_mesh({"fsdp": -1})
+    mesh = jaxmp.make_mesh({"fsdp": -1}, devs)
     config = hf_config(folder, None, [f"model.param_dtype={dtype}"])
     jax.block_until_ready(jax.numpy.zeros(8))  # the backend started: part of the baseline
     baseline = status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     start, peak = time.perf_counter(), 0
     out: dict = {"phase": phase, "dtype": dtype, "baseline_rss": baseline,
-                 "devices": jax.device_count()}
+                 "devices": len(devs)}
     if phase == "place":
         params = load.match(Weights(folder), load.gpt_params(model_gpt_config(config.model)),
                             str(folder))
@@ -158,43 +160,48 @@ def child(phase: str, dtype: str, folder: Path, work: Path) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB (%(default)s)")
-    ap.add_argument("--devices", type=int, default=8, help="simulated devices (%(default)s)")
-    ap.add_argument("--dir", default="/tmp/jaxmp-hf-bench", help="work folder (removed after)")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--param-dtype", default="bfloat16,float32",
-                    help="model.param_dtype(s) to import into (%(default)s): bfloat16 keeps the "
-                         "tensors as stored, float32 is the import's default")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB (%(default)s)")
+    p.add_argument("--dir", default="/tmp/jaxmp-hf-bench", help="work folder (removed after)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--param-dtype", default="bfloat16,float32",
+                   help="model.param_dtype(s) to import into (%(default)s): bfloat16 keeps the "
+                        "tensors as stored, float32 is the import's default")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
     work = Path(args.dir)
     if args.child:
         phase, dtype = args.child.split(":")
-        print(json.dumps(child(phase, dtype, work / "hf", work)))
-        return
+        print(json.dumps(child(phase, dtype, work / "hf", work, devices(args))))
+        return 0
     shutil.rmtree(work, ignore_errors=True)
     made = write_checkpoint(work / "hf", args.gb)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                       os.environ.get("PYTHONPATH")]))}
+    given = [x for flag, n in (("--devices", args.devices),
+                               ("--simulate-devices", args.simulate_devices))
+             if n is not None for x in (flag, str(n))]
     results = []
     for dtype in args.param_dtype.split(","):
         for phase in ("place", "import", "export"):
             evict(work)
-            r = subprocess.run([sys.executable, __file__, "--dir", str(work), "--child",
-                                f"{phase}:{dtype}"], capture_output=True, text=True, env=env)
+            r = subprocess.run([sys.executable, str(ROOT / "scripts" / "measure.py"), "hf-import",
+                                *given, "--dir", str(work), "--child", f"{phase}:{dtype}"],
+                               capture_output=True, text=True, env=env)
             if r.returncode:
-                sys.exit(f"{phase} {dtype} failed:\n{r.stderr[-3000:]}")
+                raise Failure(f"{phase} {dtype} failed:\n{r.stderr[-3000:]}")
             results.append(json.loads(r.stdout.strip().splitlines()[-1]))
     shutil.rmtree(work, ignore_errors=True)
     largest = made["largest_tensor_bytes"]
     report = {"checkpoint": made, "phases": results}
     if args.json:
         print(json.dumps(report, indent=2))
-        return
+        return 0
     print(f"checkpoint: {made['bytes'] / 1e9:.2f} GB bf16, {made['layers']} layers, "
-          f"{made['tensors']} tensors, largest {largest / MIB:.0f} MiB; {args.devices} devices")
+          f"{made['tensors']} tensors, largest {largest / MIB:.0f} MiB; "
+          f"{results[0]['devices']} devices")
     print("host = the peak RSS over the baseline minus what the (simulated CPU) devices held "
           "at that moment, whose memory is host memory here: the one array being built "
           "(place), the arrays built so far and then the whole model while Orbax saves it "
@@ -206,6 +213,4 @@ def main() -> None:
               f"{r['bytes'] / 1e6 / r['seconds']:6.0f} {r['baseline_rss'] / MIB:13.0f} "
               f"{r.get('on_devices', 0) / MIB:15.0f} {r['host'] / MIB:9.0f} "
               f"{r['host'] / largest:13.2f}")
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,12 +1,11 @@
-#!/usr/bin/env python
 """Checkpoint throughput vs the disk's own bandwidth, and how long a save blocks the loop.
 
-    python scripts/bench_checkpoint.py --gib 1 --devices 8 --dir /tmp/jaxmp-bench
+    python scripts/measure.py checkpoint --gib 1 --simulate-devices 8 --dir /tmp/jaxmp-bench
 
 1. Disk baseline, dd-like, in the same run and directory: write ``--gib`` GiB in 16 MiB chunks
    then ``fsync`` (the time includes the fsync); evict the file from the page cache with
    ``posix_fadvise(DONTNEED)`` and read it back (cold), then read again (warm).
-2. A state of ``--gib`` GiB (float32 arrays sharded over all devices on one ``fsdp`` axis, with
+2. A state of ``--gib`` GiB (float32 arrays sharded over the devices on one ``fsdp`` axis, with
    logical names) saved through the trainer's path (Orbax CheckpointManager, PyTree + JSON
    items) synchronously; its files evicted from the page cache; restored (cold) with
    ``jaxmp.checkpoint.restore`` onto the same mesh, then again (warm), and (cold) onto one
@@ -27,33 +26,14 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
+from studies.common import devices, evict, fsync_all
+
+DOC = "docs/benchmarks.md"
+DEVICES = True
 CHUNK = 16 * 2**20
-
-
-def _fsync_all(path: Path) -> None:
-    """Make every file under ``path`` durable (what the dd baseline's fsync guarantees)."""
-    for f in [p for p in path.rglob("*") if p.is_file()]:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _evict(path: Path) -> None:
-    """Drop the page cache of every file under ``path`` (clean pages only; no root needed)."""
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def disk_baseline(folder: Path, nbytes: int) -> dict[str, float]:
@@ -71,7 +51,7 @@ def disk_baseline(folder: Path, nbytes: int) -> dict[str, float]:
     out = {"write_s": write}
     for label in ("read_cold_s", "read_warm_s"):
         if label == "read_cold_s":
-            _evict(path)
+            evict(path)
         view = bytearray(CHUNK)
         t = time.perf_counter()
         with open(path, "rb", buffering=0) as f:
@@ -130,12 +110,12 @@ def bench_checkpoint(folder: Path, state, mesh, repeats: int,
                 shutil.rmtree(ckdir)
                 continue
             res["save_sync_s"].append(total)
-            _fsync_all(ckdir)  # whatever Orbax left to the OS to flush: compare like with dd
+            fsync_all(ckdir)  # whatever Orbax left to the OS to flush: compare like with dd
             res["save_fsync_s"].append(time.perf_counter() - t)
             for label, target in (("restore_cold_s", mesh), ("restore_warm_s", mesh),
                                   ("restore_1dev_cold_s", one)):
                 if "cold" in label:
-                    _evict(ckdir)
+                    evict(ckdir)
                 t = time.perf_counter()
                 out = checkpoint.restore(ckdir, mesh=target, what="state")
                 jax.block_until_ready(out)
@@ -145,29 +125,26 @@ def bench_checkpoint(folder: Path, state, mesh, repeats: int,
     return res
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
-    p.add_argument("--devices", type=int, default=None, help="simulated CPU devices")
     p.add_argument("--dir", default="/tmp/jaxmp-bench", help="where to write (same disk as runs)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--compress", action="store_true",
                    help="zstd-compress array chunks (Orbax's default; jaxmp's is off)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write results as JSON")
-    args = p.parse_args(argv)
-    if args.devices:
-        from jaxmp._util.env import simulate_devices
 
-        simulate_devices(args.devices)
+
+def run(args: argparse.Namespace) -> int:
     import jax
 
     import jaxmp
 
+    devs = devices(args)
     folder = Path(args.dir)
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     nbytes = int(args.gib * 2**30) // CHUNK * CHUNK
-    mesh = jaxmp.make_mesh({"fsdp": -1})
+    mesh = jaxmp.make_mesh({"fsdp": -1}, devs)
     state = make_state(nbytes, mesh)
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
 
@@ -180,7 +157,7 @@ def main(argv=None) -> int:
     mib = state_bytes / 2**20
     rate = {k: mib / v for k, v in best.items() if k != "async_block_s"}
     result = {
-        "state_mib": round(mib, 1), "devices": jax.device_count(), "compress": args.compress,
+        "state_mib": round(mib, 1), "devices": len(devs), "compress": args.compress,
         "platform": jax.devices()[0].platform, "cpus": os.cpu_count(), "repeats": args.repeats,
         "best_s": {k: round(v, 3) for k, v in best.items()},
         "all_s": {**{k: [round(d[k], 3) for d in disk] for k in disk[0]},
@@ -199,6 +176,3 @@ def main(argv=None) -> int:
         Path(args.json).write_text(text + "\n")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

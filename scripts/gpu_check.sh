@@ -20,7 +20,7 @@ set -euo pipefail
 CONFIG=${CONFIG:-jaxmp/configs/gpt-1b.toml}
 STEPS=${STEPS:-40}            # logged every 5; the first 5 (compile, warm-up) are not counted
 BATCH=${BATCH:-8}             # sequences of 2048 tokens: 16k tokens per step
-REMAT=${REMAT:-save_dots}     # gpt-1b.toml says "full" (sized for seq 2048 at batch 32/GPU)
+REMAT=${REMAT:-save_dots}     # gpt-1b.toml says "auto" (the planner picks); fixed here
 OUT=${OUT:-runs/gpu_check}
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}          # one GPU
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}

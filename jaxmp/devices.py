@@ -9,9 +9,9 @@ RAM, which all simulated devices of the host share.
 No training step runs at the datasheet peak. ``efficiency`` is the fraction of ``peak_flops``
 a transformer's training compute reaches in practice (matmuls with the memory-bound operations
 between them, before communication and pipeline bubbles), from public measurements for GPUs
-and measured here for the CPU (``python scripts/measure.py device-efficiency``); docs/planner.md lists the
-sources. ``overlap``: the backend runs collectives asynchronously beside compute (XLA's
-latency-hiding scheduler on GPUs); the CPU backend does not.
+and measured here for the CPU (``python scripts/measure.py device-efficiency``);
+docs/planner.md lists the sources. ``overlap``: the backend runs collectives asynchronously
+beside compute (XLA's latency-hiding scheduler on GPUs); the CPU backend does not.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ def test_killed_at_random_moments_then_resumed_is_bitwise_identical(tmp_path):
     env = subprocess_env(1)
     env.pop("XLA_FLAGS")  # chaos.py gives each run its own simulated devices
     out = subprocess.run([sys.executable, "scripts/chaos.py", "--kills", "3", "--steps", "20",
-                          "--simulate-devices", "2", "--out", str(tmp_path), "--json"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=1200)
+                          "--simulate-devices", "2", "--out", str(tmp_path), "--json"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     report = json.loads(out.stdout)
     assert out.returncode == 0 and report["passed"], out.stdout[-4000:]
     assert report["kills_landed"] >= 2 and report["by_kind"]["first-save"] == 1

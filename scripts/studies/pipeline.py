@@ -145,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
     config = jaxmp.load_config(None, SETS)
     layers = gpt_costs(config, ("none",)).layers  # folded as the planner folds them
     table = fold([lay.flops("none") for lay in layers],
-                 stack_span([lay.kind for lay in layers], [lay.group or lay.name for lay in layers]))
+                 stack_span([lay.kind for lay in layers],
+                            [lay.group or lay.name for lay in layers]))
     splits = {"flops": split_layers(table, STAGES, 1, "flops"),
               "layers": split_layers(table, STAGES, 1, "layers"),
               "flops, V=2": split_layers(table, STAGES, 2, "flops")}

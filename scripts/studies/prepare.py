@@ -1,6 +1,7 @@
 """How long `jaxmp data prepare` takes on a 100 MB corpus, and how much memory it holds.
 
-    python scripts/measure.py prepare --mb 10,100 --bpe 8192 --repeats 2 --dir /tmp/jaxmp-bench-prepare
+    python scripts/measure.py prepare --mb 10,100 --bpe 8192 --repeats 2 \
+        --dir /tmp/jaxmp-bench-prepare
 
 The corpus is this Python's standard-library sources (the UTF-8 ones) concatenated again and
 again into 8 MiB files until it reaches each ``--mb`` size: real text, no download. For each

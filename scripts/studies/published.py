@@ -2,9 +2,10 @@
 
     python scripts/measure.py published
 
-Regenerates docs/planner.md's table "published run -> jaxmp's prediction". For each published run (jaxmp/recipes/published.py): the layout it used as jaxmp predicts it
-(per-device memory, step time and its error against the published one), and the layout jaxmp
-chooses instead. Planning only: nothing is compiled. Also plans GPT-3 175B on 1024 H100s.
+Regenerates docs/planner.md's table "published run -> jaxmp's prediction". For each published
+run (jaxmp/recipes/published.py): the layout it used as jaxmp predicts it (per-device memory,
+step time and its error against the published one), and the layout jaxmp chooses instead.
+Planning only: nothing is compiled. Also plans GPT-3 175B on 1024 H100s.
 """
 
 from __future__ import annotations

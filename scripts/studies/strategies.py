@@ -3,8 +3,9 @@
     python scripts/measure.py strategies --simulate-devices 8                 # ~5 min on 2 cores
     python scripts/measure.py strategies --simulate-devices 8 --only default  # one of them
 
-Regenerates the measured tables of docs/strategies.md. Each model's bench.md, bench.json and charts go to docs/strategies/<name>/; the text between
-``<!-- bench:<name> -->`` and ``<!-- /bench:<name> -->`` in docs/strategies.md is replaced by
+Regenerates the measured tables of docs/strategies.md. Each model's bench.md, bench.json and
+charts go to docs/strategies/<name>/; the text between ``<!-- bench:<name> -->`` and
+``<!-- /bench:<name> -->`` in docs/strategies.md is replaced by
 that bench.md (its tables and charts), everything else in the doc is left as written.
 """
 from __future__ import annotations

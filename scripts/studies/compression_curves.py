@@ -42,7 +42,8 @@ PROFILE = "A100-80GB"  # its inter-host link: 25 GB/s per device
 
 def common(args: argparse.Namespace) -> list[str]:
     return [f"mesh.data={args.n}", f"train.steps={args.steps}", "train.eval_every=50",
-            "logging.every=10", "checkpoint.enabled=false", "logging.tensorboard=false"]
+            "logging.every=10", "checkpoint.enabled=false", "logging.tensorboard=false",
+            *args.set]
 
 
 def slug(name: str) -> str:
@@ -90,6 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=Path, default=Path("runs/compression"))
     p.add_argument("--out", type=Path, default=Path("docs/compression_curves.png"))
     p.add_argument("--plot-only", action="store_true", help="redraw from the run directories")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="more overrides for every run (the doc's runs: none)")
 
 
 def run(args: argparse.Namespace) -> int:

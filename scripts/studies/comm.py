@@ -38,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from jaxmp._util.arrays import tree_bytes
-    from jaxmp.hlo import collective_stats
     from jaxmp.recipes.gpt import gpt_trainer
+    from jaxmp.tools.measure import measure_step
     from studies.common import research_lm
 
     devs = devices(args)
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         for name, axes in meshes(args.meshes, len(devs)):
             config = gpt(GPT + mesh_sets(axes) + [f"model.tie_embeddings={str(tied).lower()}"])
             trainer = gpt_trainer(config, devices=devs, with_data=False)
-            stats = collective_stats(trainer.compile())
+            stats = measure_step(trainer).collectives
             print(row(f"GPT, {'tied' if tied else 'untied'}", name, stats,
                       tree_bytes(trainer.layout.abstract.params), len(devs)), flush=True)
     lm = research_lm()
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     for name, axes in meshes(args.meshes, len(devs)):
         config = lm.make_config(1, mesh_sets(axes) + ["checkpoint.enabled=false"])
         trainer = lm.make_trainer(config, "unused", devices=devs)
-        stats = collective_stats(trainer.compile(example))
+        stats = measure_step(trainer, example).collectives
         print(row("research LM", name, stats, tree_bytes(trainer.layout.abstract.params),
                   len(devs)), flush=True)
     return 0

@@ -42,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from jaxmp.hlo import collective_stats, partitioned_text
     from jaxmp.recipes.gpt import gpt_trainer
+    from jaxmp.tools.measure import measure_step
     from jaxmp.train.step import make_train_step
 
     devs = devices(args)
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         base = None
         for label, sets in KINDS:
             t = trainer(mesh_sets(axes) + sets)
-            stats = collective_stats(t.compile())
+            stats = measure_step(t).collectives
             base = base or stats.total_bytes
             print(f"| {name} | {label} | {stats.total_bytes:,.0f} | "
                   f"{stats.total_bytes / base:.3f} | {by_kind(stats)} |", flush=True)

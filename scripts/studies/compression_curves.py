@@ -66,15 +66,15 @@ def step_bytes(args: argparse.Namespace) -> dict[str, float]:
     import jax
 
     import jaxmp
-    from jaxmp.hlo import collective_stats
     from jaxmp.recipes.gpt import gpt_trainer
+    from jaxmp.tools.measure import measure_step
 
     devices = jax.devices()[:args.n]
     out = {}
     for name, sets in VARIANTS:
         config = jaxmp.load_config(None, common(args) + sets)
         trainer = gpt_trainer(config, "unused", devices=devices, with_data=False)
-        out[name] = collective_stats(trainer.compile()).total_bytes
+        out[name] = measure_step(trainer).collectives.total_bytes
     return out
 
 

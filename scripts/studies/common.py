@@ -37,9 +37,8 @@ def label(axes: dict[str, int]) -> str:
 def meshes(text: str, n: int) -> list[tuple[str, dict[str, int]]]:
     """``--meshes`` in `jaxmp bench`'s strategy syntax (``dp,fsdp,data=2,fsdp=2,tensor=2``) on
     ``n`` devices: (label, {axis: size})."""
-    from jaxmp.tools.strategies import parse_strategies
-
     from jaxmp.mesh import resolve_axes
+    from jaxmp.tools.strategies import parse_strategies
 
     out = []
     for spec in parse_strategies(text):

@@ -37,7 +37,9 @@ class Layout:
     pipeline's folded per-layer table (``pre``, each block, ``post``) into ``stages ×
     virtual_stages`` chunks. ``gather_dtype`` is what fsdp weight gathers move: ``"param"`` (as
     stored), ``"bfloat16"`` or ``"int8"``. ``compression`` is what the data-axis reduction
-    sends (kind ``"none"`` without a data axis).
+    sends (kind ``"none"`` without a data axis). ``attention`` is the attention kernel the
+    model is built with, decided for the platform the run targets (``"xla"`` | ``"cudnn"``;
+    ``""``: not the plan's to decide — a model that calls its attention its own way).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -49,6 +51,7 @@ class Layout:
     reduce_after_microbatches: bool = False
     gather_dtype: str = "param"
     compression: Compression = field(default_factory=Compression)
+    attention: str = ""
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 from jaxmp import sharding
 from jaxmp._util.fmt import mesh_str
-from jaxmp.compression.gather import gather_dtype
+from jaxmp.compression.gather import gather_dtype, reduce_dtype
 from jaxmp.compression.reduce import Compression
 from jaxmp.config import MeshConfig, TrainerConfig
 from jaxmp.cost import ModelCost
@@ -216,10 +216,10 @@ def _from_config(config: TrainerConfig, sizes: dict[str, int], rules: tuple,
                               "Trainer an example_batch) or use pipeline.balance='layers'")
         split = split_layers([1.0] * (int(n_blocks or 0) + 2), stages, virtual, "layers")
     comp = effective_compression(compression, sizes["data"])
+    wire = gather_dtype(config.compression.weights, compute_dtype, sizes["fsdp"])
     layout = Layout(mesh_items(sizes), remat, microbatches, kind if stages > 1 else "",
                     virtual if stages > 1 else 1, split, reduction(sizes, comp, microbatches),
-                    gather_dtype(config.compression.weights, compute_dtype, sizes["fsdp"]),
-                    comp)
+                    wire, comp, reduce_dtype=reduce_dtype(wire, compute_dtype))
     if stages > 1:
         Schedule(layout.schedule, stages, microbatches, layout.virtual_stages)  # validates
     return Plan(layout, predicted=None, fits=None, runnable=True, rules=rules,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -47,6 +48,25 @@ from jaxmp.train.step import LossFn, batch_spec, make_eval_step, make_train_step
 
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+_UNKNOWN_OPTION = re.compile(r"No such compile option: '([\w.]+)'")
+_UNKNOWN_OPTIONS: set[str] = set()  # flags this jaxlib's XLA does not have (asked once each)
+
+
+def compile_with_options(lowered: Any, options: dict[str, Any]) -> Any:
+    """``lowered.compile(compiler_options=options)`` without the options this XLA does not
+    know: XLA's flags come and go between versions (jaxlib 0.12's GPU compiler has no
+    ``xla_gpu_enable_pipelined_*``: collective pipelining is its default there), and an
+    unknown one fails the compile, so each is dropped once, with one line saying so."""
+    while True:
+        kept = {k: v for k, v in options.items() if k not in _UNKNOWN_OPTIONS}
+        try:
+            return lowered.compile(compiler_options=kept) if kept else lowered.compile()
+        except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error type
+            found = _UNKNOWN_OPTION.search(str(e))
+            if found is None or found[1] not in kept:
+                raise
+            _UNKNOWN_OPTIONS.add(found[1])
+            say(f"jaxmp: this XLA has no flag --{found[1]}; compiling without it")
 
 
 class Trainer:
@@ -158,7 +178,8 @@ class Trainer:
         return Layout(mesh_items(sizes), remat, microbatches, schedule, virtual, split,
                       self.reducer is not None,
                       self.gather.wire if self.gather is not None else "param", comp,
-                      self._attention)
+                      self._attention,
+                      self.gather.reduce if self.gather is not None else "param")
 
     # -- the one train step -------------------------------------------------------------------
     def compile(self, batch: Any = None, warmup: bool = False) -> Any:
@@ -183,9 +204,9 @@ class Trainer:
         """Compile for this mesh's devices; on GPUs (attached or deviceless) with jaxmp's GPU
         flags and the config's (:func:`jaxmp._util.env.gpu_compile_options`), so ``jaxmp
         train`` and a deviceless compile of the same step get the same program."""
-        options = gpu_compile_options(self.config.xla.flags) \
-            if self.mesh.devices.flat[0].platform in GPU_PLATFORMS else None
-        return lowered.compile(compiler_options=options) if options else lowered.compile()
+        if self.mesh.devices.flat[0].platform not in GPU_PLATFORMS:
+            return lowered.compile()
+        return compile_with_options(lowered, gpu_compile_options(self.config.xla.flags))
 
     # -- set-up -------------------------------------------------------------------------------
     def lint(self) -> sharding.LintReport:

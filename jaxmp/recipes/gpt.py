@@ -27,7 +27,8 @@ from jaxmp.data import STDLIB_VOCAB, BatchIterator, make_batches, padded_vocab, 
 from jaxmp.data.meta import META, RUN_META, TOKENIZER
 from jaxmp.errors import ConfigError
 from jaxmp.models import GPT, GPTConfig, lm_loss, next_token_loss
-from jaxmp.models.attention import AttentionChoice, choose_attention, device_platform
+from jaxmp.models.attention import (PIPELINE_BLOCKER, AttentionChoice, choose_attention,
+                                   device_platform)
 from jaxmp.pipeline.chunk import PipelineSpec
 from jaxmp.plan import Plan, make_plan
 from jaxmp.recipes.gpt_config import Config, ModelConfig
@@ -164,15 +165,33 @@ def gpt_plan(config: Config, n_devices: int, device_kind: str | None = None, *,
     plan); ``jaxmp plan`` and ``jaxmp bench`` measure the CPU."""
     config = resolve_data(config)
     attention = attention_for(config.model, platform)  # the kernel the costs are traced with
-    start = time.perf_counter()
-    cost = gpt_costs(config, remats or (config.model.remat,), attention=attention.implementation)
-    seconds = time.perf_counter() - start
-    plan = make_plan(config, cost, n_devices, device_kind=device_kind, remats=remats,
-                     strict=strict, measure_cpu=measure_cpu, stack_blocks=config.model.layers,
-                     compute_dtype=config.model.compute_dtype, top=top,
-                     find_devices_needed=find_devices_needed, attention=attention)
-    plan.cost_time_s = seconds
-    return plan
+
+    def planned(config: Config, attention: AttentionChoice) -> Plan:
+        start = time.perf_counter()
+        cost = gpt_costs(config, remats or (config.model.remat,),
+                         attention=attention.implementation)
+        seconds = time.perf_counter() - start
+        plan = make_plan(config, cost, n_devices, device_kind=device_kind, remats=remats,
+                         strict=strict, measure_cpu=measure_cpu,
+                         stack_blocks=config.model.layers,
+                         compute_dtype=config.model.compute_dtype, top=top,
+                         find_devices_needed=find_devices_needed, attention=attention)
+        plan.cost_time_s = seconds
+        return plan
+
+    plan = planned(config, attention)
+    if attention.implementation != "cudnn" or plan.layout.stages == 1:
+        return plan
+    # Stages run XLA's attention (PIPELINE_BLOCKER): without stages if the mesh leaves them
+    # open and cuDNN's plan fits so, else with XLA's attention, costed as such.
+    if config.mesh.stage == "auto":
+        flat = planned(replace(config, mesh={"stage": 1}), attention)
+        if flat.fits or config.model.attention == "cudnn":
+            return flat
+    elif config.model.attention == "cudnn":
+        raise ConfigError(f"model.attention: 'cudnn' cannot run with mesh.stage="
+                          f"{config.mesh.stage}: {PIPELINE_BLOCKER} (use 'auto' or 'xla')")
+    return planned(config, AttentionChoice("xla", f"auto: {PIPELINE_BLOCKER}"))
 
 
 def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,

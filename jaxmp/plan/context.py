@@ -255,7 +255,10 @@ class Context:
             div = _saved_divisor(self.shard(i, fsdp, tensor).tensor_dims, tensor)
             lay = self.cost.layers[i]
             saved = lay.fused.get(remat, lay.saved.get(remat)) if fused else lay.saved[remat]
-            return saved.split(div, self.profile.upcasts_16bit)
+            const, per_row = saved.split(div, self.profile.upcasts_16bit)
+            # A scan stores the row-independent residuals (its weights' compute-dtype casts)
+            # split like the weights, and gathers them again for the backward pass.
+            return (const / fsdp if lay.in_loop else const), per_row
 
         const, per_row = self.cached(("saved", i, remat, fsdp, tensor, fused), split)
         return const + per_row * rows

@@ -27,6 +27,60 @@ def add_xla_flags(flags: str) -> None:
     os.environ["XLA_FLAGS"] = " ".join(kept + new)
 
 
+# XLA flags jaxmp gives every GPU compile (``jaxmp train`` on GPUs and the deviceless compile
+# of ``jaxmp plan --aot`` / ``jaxmp bench --aot`` alike; the config's ``[xla].flags`` and the
+# user's ``XLA_FLAGS`` come after them and win). They hide fsdp's weight gathers and gradient
+# reductions behind compute: the latency-hiding scheduler; collectives of a layer loop
+# pipelined into the previous iteration, the loop unrolled twice so that they can be; small
+# collectives combined, all-gathers up to 1 GiB (a layer's gathered weights: one transfer per
+# layer, started a layer ahead) and not split by dimension. Without the 1 GiB threshold and the
+# combining across dims, 4 of the 16 all-gathers in the 8B GPT's layer loop on 8 H100s had no
+# matmul to hide behind (docs/planner.md). MaxText's GPU configs set the same flags.
+GPU_XLA_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true "
+    "--xla_gpu_enable_pipelined_all_gather=true "
+    "--xla_gpu_enable_pipelined_reduce_scatter=true "
+    "--xla_gpu_enable_pipelined_all_reduce=true "
+    "--xla_gpu_enable_while_loop_double_buffering=true "
+    "--xla_gpu_all_gather_combine_threshold_bytes=1073741824 "
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728 "
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728 "
+    "--xla_gpu_enable_all_gather_combine_by_dim=false "
+    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false")
+GPU_FLAG_PREFIX = "--xla_gpu_"
+
+
+def gpu_compile_options(config_flags: str = "") -> dict[str, bool | int | float | str]:
+    """The GPU flags of one compile as ``compile(compiler_options=...)`` takes them:
+    :data:`GPU_XLA_FLAGS`, then the config's ``[xla].flags``, then ``XLA_FLAGS`` (the last
+    value of a flag wins; only ``--xla_gpu_*`` flags, the others are not per-compile options).
+
+    Per compile rather than through ``XLA_FLAGS`` because XLA's GPU compiler reads that once
+    per process: a deviceless compile in a process that already compiled (tests, ``bench``)
+    would keep the first flags it saw.
+    """
+    out: dict[str, bool | int | float | str] = {}
+    for source in (GPU_XLA_FLAGS, config_flags, os.environ.get("XLA_FLAGS", "")):
+        for flag in source.split():
+            if not flag.startswith(GPU_FLAG_PREFIX):
+                continue
+            name, _, value = flag[2:].partition("=")
+            out[name] = _flag_value(value)
+    return out
+
+
+def _flag_value(text: str) -> bool | int | float | str:
+    """An XLA flag's value as the compile option's type (``true`` a bool, digits an int)."""
+    if text.lower() in ("", "true", "false"):
+        return text.lower() != "false"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def backend_started() -> bool:
     """True once jax has created its backends (then XLA flags no longer take effect)."""
     jax = sys.modules.get("jax")

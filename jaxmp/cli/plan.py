@@ -1,9 +1,11 @@
 """``jaxmp plan [CONFIG] [--devices N] [--simulate-devices N] [--device-kind K] [--json]
-[--verify] [--compare KEY=VALUE,...]``.
+[--verify [--aot] [--dump-hlo DIR]] [--compare KEY=VALUE,...]``.
 
 ``--devices N`` plans for N devices (default: those present); ``--verify`` builds the Trainer
 from the very plan printed on the first N devices present and compiles its step — on a machine
 without them, ``--simulate-devices N`` gives the CPU backend N devices (before jax starts).
+``--aot`` compiles it instead for N deviceless GPUs of ``--device-kind`` with XLA's GPU
+compiler (JAX's CUDA plugin; JAX runs on the CPU, set before it starts): ``tools/aot.py``.
 ``--compare`` plans again with more config keys fixed and prints both plans side by side.
 """
 
@@ -38,6 +40,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="build the Trainer from this plan on the first N devices present, "
                         "compile its step and compare")
+    p.add_argument("--aot", action="store_true",
+                   help="with --verify: compile for --devices N deviceless GPUs of --device-kind "
+                        "with XLA's GPU compiler, here, without a GPU (needs JAX's CUDA plugin: "
+                        'pip install -e ".[cuda]")')
+    p.add_argument("--dump-hlo", default=None, metavar="DIR",
+                   help="with --verify: write the compiled step's HLO text into DIR")
     p.add_argument("--top", type=int, default=5, metavar="K", help="alternatives to show")
     p.add_argument("--compare", default=None, metavar="KEY=VALUE,...",
                    help="plan again with these config keys fixed and print it beside the chosen "
@@ -80,25 +88,33 @@ def run(args: argparse.Namespace) -> int:
     given_sets = compare_overrides(args.compare) if args.compare is not None else None
     given_config = load_config(args.config, overrides=[*(args.set or []), *given_sets]) \
         if given_sets is not None else None
+    topology = aot_topology(args, config) if args.aot else None
+    if args.dump_hlo is not None and not (args.verify or args.aot):
+        raise UsageError("--dump-hlo writes the step --verify compiles: add --verify")
     simulate(args.simulate_devices)
     n = device_count(args)
-    devices = present_devices(n) if args.verify else None
+    devices = present_devices(n) if args.verify and topology is None else None
+    kind = topology.target.kind if topology is not None else args.device_kind
 
     from jaxmp.plan.render import render, render_compare
     from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
     from jaxmp.config.sections import REMAT_POLICY_NAMES
+    from jaxmp.tools.aot import aot_verify
     from jaxmp.tools.verify import verify_prediction
 
     def plan_of(cfg: Any, find_devices_needed: bool = True) -> Any:
-        return gpt_plan(cfg, n, args.device_kind, remats=REMAT_POLICY_NAMES, strict=True,
-                        measure_cpu=True, top=args.top, find_devices_needed=find_devices_needed)
+        return gpt_plan(cfg, n, kind, remats=REMAT_POLICY_NAMES, strict=True,
+                        measure_cpu=True, top=args.top, find_devices_needed=find_devices_needed,
+                        platform="cuda" if topology is not None else None)
 
     result = plan_of(config)
     given = plan_of(given_config, False) if given_config is not None else None
-    if args.verify:
-        result.verify = verify_prediction(
-            lambda devs: gpt_trainer(config, devices=devs, with_data=False, plan=result),
-            result, devices)
+    make = lambda devs: gpt_trainer(config, devices=devs, with_data=False,  # noqa: E731
+                                    plan=result)
+    if topology is not None:
+        result.verify = aot_verify(make, result, topology, args.dump_hlo)
+    elif args.verify:
+        result.verify = verify_prediction(make, result, devices, args.dump_hlo)
     if args.json:
         out = result.to_json()
         if given is not None:
@@ -110,6 +126,26 @@ def run(args: argparse.Namespace) -> int:
         if given is not None:
             print("\n" + render_compare(result, given))
     return 0
+
+
+def aot_topology(args: argparse.Namespace, config: Any) -> Any:
+    """``--aot``'s deviceless GPUs: ``--devices`` of ``--device-kind`` (else ``device.kind``)
+    in hosts of the profile's (or ``device.devices_per_host``) size. JAX is set to the CPU
+    first (before it starts), and JAX's CUDA plugin is required: bad input without it."""
+    from jaxmp._util.env import use_cpu
+
+    if args.simulate_devices is not None:
+        raise UsageError("--aot compiles for deviceless GPUs: drop --simulate-devices")
+    if args.devices is None:
+        raise UsageError("--aot needs --devices N (the GPUs to compile for)")
+    kind = args.device_kind or (config.device.kind if config.device.kind != "auto" else None)
+    if kind is None:
+        raise UsageError("--aot needs --device-kind KIND (a GPU profile, e.g. H100, A100-80GB)")
+    use_cpu()
+    from jaxmp.topology import gpu_topology, require_cuda_plugin
+
+    require_cuda_plugin("--aot")
+    return gpu_topology(args.devices, kind, config.device.devices_per_host or None)
 
 
 def _json_default(x: Any) -> Any:

@@ -15,6 +15,16 @@ ZeRO++'s quantized weights, a :class:`WeightGather` casts (or quantizes) each fs
   each layer's slice by the model's :func:`jaxmp.sharding.constrain_param` (the GPT's scan);
   the backward pass reuses the forward's gathered weights instead of gathering again — half
   the gathers, but a device holds a whole dequantized stack during the step.
+
+Gradients come back in the dtype the weights went out in: the reduce-scatter of an fsdp-split
+weight's gradient is the weight-gradient matmul's own partial-sum reduction, which the SPMD
+partitioner places at that matmul, in its output dtype — the compute dtype the gathered weight
+was handed over in. So bfloat16 gathers reduce bfloat16 (half of float32's bytes, as FSDP2 with
+``reduce_dtype=bfloat16``), int8's straight-through gradient reduces in the compute dtype and
+float32 reductions (torchtitan's default) come with float32 gathers: ``compression.weights =
+"param"``. Casting the gradient to float32 after the matmul does not widen the reduction
+(checked in the GPU-compiled program: the reduce-scatters stay bfloat16); that would take
+weight-gradient matmuls with float32 outputs. :func:`reduce_dtype` says which it is.
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ from jaxmp.config import WEIGHT_GATHERS
 FSDP = "fsdp"
 STACK_NAMES = ("layers", "stage")  # leading dims of a layer stack: sliced, not gathered whole
 KINDS = WEIGHT_GATHERS
+# Bytes per element on the wire of each gather / reduce dtype ("param": the stored dtype's).
+WIRE_ITEMSIZE = {"bfloat16": 2, "float32": 4, "int8": 1}
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -46,7 +58,9 @@ def _without_fsdp(entry: Any) -> Any:
     return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
-def _matrix(names: Sequence[str | None]) -> bool:
+def is_matrix(names: Sequence[str | None]) -> bool:
+    """Whether a parameter with these logical names is a weight matrix (two or more dims
+    besides a layer stack's): what a narrower gather casts; vectors move as stored."""
     return sum(n not in STACK_NAMES for n in names) >= 2
 
 
@@ -60,6 +74,11 @@ class WeightGather:
     mesh: Mesh
     rules: tuple
 
+    @property
+    def reduce(self) -> str:
+        """What the gradients' reduce-scatters move (:func:`reduce_dtype`)."""
+        return reduce_dtype(self.wire, self.out_dtype)
+
     def _spec(self, names: Sequence[str | None], shape: Sequence[int]) -> tuple:
         spec = sharding.logical_spec(names, shape, self.mesh, self.rules)
         return tuple(spec) + (None,) * (len(shape) - len(spec))
@@ -70,7 +89,7 @@ class WeightGather:
         names = sharding.fit_names(names, x.shape)
         spec = self._spec(names, x.shape)
         split = [d for d, e in enumerate(spec) if FSDP in _axes(e)]
-        if self.wire != "int8" or not split or not _matrix(names):
+        if self.wire != "int8" or not split or not is_matrix(names):
             return x
         sharded = sharding.named(self.mesh, P(*spec))
         gathered = sharding.named(self.mesh, P(*(_without_fsdp(e) for e in spec)))
@@ -90,7 +109,7 @@ class WeightGather:
             if self.wire == "int8":
                 return v if names[0] in STACK_NAMES else v.replace(self(x, names))
             spec = self._spec(names, x.shape)
-            if not _matrix(names) or not any(FSDP in _axes(e) for e in spec):
+            if not is_matrix(names) or not any(FSDP in _axes(e) for e in spec):
                 return v
             cast = x.astype(jnp.bfloat16)
             return v.replace(jax.lax.with_sharding_constraint(
@@ -140,6 +159,24 @@ def gather_dtype(kind: str, compute_dtype: str | None, fsdp: int) -> str:
     if kind == "auto":
         return "bfloat16" if compute_dtype == "bfloat16" else "param"
     return kind
+
+
+def reduce_dtype(wire: str, compute_dtype: str | None) -> str:
+    """What fsdp's gradient reduce-scatters move when weights are gathered as ``wire``
+    (:func:`gather_dtype`'s answer): ``"param"`` (as stored, with weights gathered as stored),
+    ``"bfloat16"`` for bfloat16 gathers, the compute dtype for int8's (see the module
+    docstring: the reduction is the weight-gradient matmul's)."""
+    if wire in ("param", "bfloat16"):
+        return wire
+    return compute_dtype or "float32"
+
+
+def wire_itemsize(dtype: str, stored: int, upcasts_16bit: bool = False) -> int:
+    """Bytes per element a gather or reduction of ``dtype`` moves for a parameter stored with
+    ``stored`` bytes per element (``upcasts_16bit``: a backend that widens 16-bit collectives
+    to float32, XLA:CPU)."""
+    size = stored if dtype == "param" else WIRE_ITEMSIZE[dtype]
+    return 4 if upcasts_16bit and size == 2 else size
 
 
 def weight_gather(wire: str, compute_dtype: str | None, mesh: Mesh,

@@ -31,6 +31,7 @@ from jaxmp import sharding
 from jaxmp._util.arrays import nbytes as _nbytes
 from jaxmp._util.fmt import fmt_bytes, fmt_flops, table
 from jaxmp.cost import flops as F
+from jaxmp.cost.fusion import kept_values
 from jaxmp.cost.layer import Saved, analyse_layer, saved_from, with_rows
 from jaxmp.cost.trace import root_residuals, scope_index, trace_residuals, trace_training
 from jaxmp.remat import REMAT_POLICIES
@@ -181,9 +182,12 @@ def _attribute(grad_jaxpr: Any, n_params: int) -> dict[str, Any]:
 
 
 def _root_saved(model: Any, batch: Any, loss_fn: Callable | None, rows: int
-                ) -> tuple[dict[str, tuple[list, list]], Any]:
+                ) -> tuple[dict[str, tuple[list, list]], dict[str, tuple[list, list]], Any]:
     """Activations the root code keeps for the backward pass, ``pre`` and ``post``, traced at
-    the batch and at one row (constant ones are parameter slices or casts: not counted)."""
+    the batch and at one row (constant ones are parameter slices or casts: not counted): as
+    the VJP keeps them, and the anchors that survive fusion (:mod:`jaxmp.cost.fusion`; traced
+    flat, jitted helpers inlined). E.g. a GPT's head keeps its float32 logits and the one-hot
+    of the targets for the backward; compiled, only the matmul's bfloat16 logits stay."""
     res_jaxpr = trace_residuals(model, batch, loss_fn)
     res_one = trace_residuals(model, with_rows(batch, rows, 1), loss_fn) if rows > 1 else None
     saved: dict[str, tuple[list, list]] = {"pre": ([], []), "post": ([], [])}
@@ -193,7 +197,23 @@ def _root_saved(model: Any, batch: Any, loss_fn: Callable | None, rows: int
             continue
         saved[side][0].append(aval)
         saved[side][1].append(one_by_idx.get(idx, aval))
-    return saved, res_one
+    with jax.disable_jit():
+        flat = [trace_residuals(model, b, loss_fn) for b in
+                ((batch, with_rows(batch, rows, 1)) if rows > 1 else (batch,))]
+    anchors = [{side: [v.aval for v in kept_values(
+        j, [j.jaxpr.outvars[idx] for _, s, idx in root_residuals(j) if s == side],
+        exclude=j.jaxpr.invars)] for side in ("pre", "post")} for j in flat]
+    fused: dict[str, tuple[list, list]] = {"pre": ([], []), "post": ([], [])}
+    for side in fused:
+        full, one = anchors[0][side], anchors[-1][side]
+        if len(full) != len(one):  # the two traces differ: keep the unfused residuals
+            fused[side] = saved[side]
+            continue
+        for a, b in zip(full, one):
+            if rows == 1 or a.shape != b.shape:
+                fused[side][0].append(a)
+                fused[side][1].append(b)
+    return saved, fused, res_one
 
 
 def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
@@ -217,7 +237,7 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
     att = _attribute(grad_jaxpr, len(all_leaves))
     order, root_reads = att["order"], att["root_reads"]
     warnings = att["warnings"]
-    root_saved, res_one = _root_saved(model, batch, loss_fn, rows)
+    root_saved, root_fused, res_one = _root_saved(model, batch, loss_fn, rows)
 
     def optimizer_bytes(params: Any) -> float:
         if tx is None:
@@ -242,12 +262,15 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
         n = sum(math.prod(x.shape) for x in used)
         pbytes = float(sum(x.nbytes for x in used))
         avals, ones = root_saved[side]
+        kept, kept_one = root_fused[side]
         fwd, bwd = att["root"][f"{side}_f"], att["root"][f"{side}_b"]
         layer = LayerCost(
             name=side, kind=side, fwd_flops=fwd.flops, bwd_flops=bwd.flops,
             transcendentals=fwd.transcendentals + bwd.transcendentals,
             recompute_flops={p: 0.0 for p in policies},
             saved={p: saved_from(avals, ones if res_one is not None else None, rows)
+                   for p in policies},
+            fused={p: saved_from(kept, kept_one if res_one is not None else None, rows)
                    for p in policies},
             params=used, share=1.0, param_count=float(n), param_bytes=pbytes, group=side,
             optimizer_bytes=optimizer_bytes([_leaf_aval(x) for x in used]),

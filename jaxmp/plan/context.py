@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxmp import sharding
-from jaxmp.compression.gather import gather_dtype
+from jaxmp.compression.gather import gather_dtype, is_matrix, reduce_dtype, wire_itemsize
 from jaxmp.compression.reduce import Compression, bytes_factor
 from jaxmp.cost import ModelCost
 from jaxmp.devices import DeviceProfile
@@ -89,6 +89,11 @@ class _Shard:
     tensor_weights: int  # matrices split by tensor
     row_parallel: int  # of those, split on their input dim (their output is all-reduced)
     tensor_dims: frozenset[int]  # sizes of dims split by tensor (to spot split activations)
+    gather_wire: float = 0.0  # bytes one full gather of the fsdp-split params moves (all
+    # devices' shards, in the gather's dtype): the gathered copy a layer computes with
+    reduce_wire: float = 0.0  # the same for the reduce-scatter of their gradients
+    cast: float = 0.0  # bytes per device of the narrow copies made before the forward pass
+    grads: float = 0.0  # bytes per device of its gradients as the backward pass holds them
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,8 @@ class LayerTable:
     gathers: np.ndarray  # fsdp weight gathers per pass (2: forward and backward)
     fsdp_bytes: np.ndarray  # bytes its fsdp collectives send
     first_gather_bytes: np.ndarray  # one all-gather of its weights
+    grads: np.ndarray  # its parameter gradients as the backward pass holds them (per step)
+    cast: np.ndarray  # the narrow copies of its fsdp shards the step makes first (per step)
 
     def row(self, i: int) -> dict[str, float]:
         """Layer ``i``'s entries as plain floats."""
@@ -128,7 +135,7 @@ class Context:
     ``balance`` is how the executor cuts pipeline stages (``pipeline.balance``);
     ``compression`` how the data-axis gradient reduction is encoded; ``weights`` the
     configured fsdp weight-gather dtype (``compression.weights``) and ``compute_dtype`` the
-    model's, which together decide what gathers move.
+    model's, which together decide what gathers and gradient reductions move.
     """
 
     def __init__(self, cost: ModelCost, profile: DeviceProfile, n_devices: int,
@@ -165,6 +172,7 @@ class Context:
                               and all(leaf.path in pre for leaf in lay.params) for lay in layers])
         self.span = stack_span([lay.kind for lay in layers],
                                [lay.group or lay.name for lay in layers])
+        self.in_loop = np.array([bool(lay.in_loop) for lay in layers])
         self._shards: dict[tuple[int, int, int], _Shard] = {}
         self._cache: dict[tuple, Any] = {}
 
@@ -185,10 +193,24 @@ class Context:
             self._shards[key] = self._resolve(self.first[key[0]], fsdp, tensor)
         return self._shards[key]
 
+    def wire_dtypes(self, fsdp: int) -> tuple[str, str]:
+        """What fsdp's weight gathers and gradient reductions move on ``fsdp`` devices: the
+        layout's ``gather_dtype`` and ``reduce_dtype``."""
+        wire = gather_dtype(self.weights, self.compute_dtype, fsdp)
+        return wire, reduce_dtype(wire, self.compute_dtype)
+
     def _resolve(self, i: int, fsdp: int, tensor: int) -> _Shard:
         lay = self.cost.layers[i]
         sizes = {"data": 1, "stage": 1, "fsdp": fsdp, "tensor": tensor}
-        local = gathered = unsharded = 0.0
+        wire, reduce = self.wire_dtypes(fsdp)
+        # jaxmp gathers int8 (compression.gather), per layer slice inside a stack and at the
+        # step's start outside one; else XLA gathers the copies the step cast on their shards,
+        # and the gradients come back in the gather's dtype.
+        custom = wire == "int8"
+        up = self.profile.upcasts_16bit
+        out_item = wire_itemsize(self.compute_dtype or "float32", 4, up) \
+            if self.compute_dtype in ("bfloat16", "float32") else 4
+        local = gathered = unsharded = gather_wire = reduce_wire = cast = grads = 0.0
         weights = rows = 0
         tdims: set[int] = set()
         for leaf in lay.params:
@@ -200,13 +222,29 @@ class Context:
             local += nb / div
             gathered += nb / (div // fsdp if "fsdp" in axes else div)
             unsharded += 0.0 if "fsdp" in axes else nb / div
+            narrow = "fsdp" in axes and leaf.names is not None and is_matrix(leaf.names)
+            if "fsdp" in axes:  # a narrower gather casts matrices only (compression.gather)
+                stored = max(1, leaf.nbytes // max(1, math.prod(leaf.shape)))
+                full = nb / (div // fsdp)
+                g = wire_itemsize(wire if narrow else "param", stored, up) / stored
+                gather_wire += full * g
+                reduce_wire += full * wire_itemsize(reduce if narrow else "param", stored,
+                                                    up) / stored
+                if narrow and custom and not lay.in_loop:
+                    cast += full * out_item / stored  # gathered at the step's start
+                elif narrow and not custom:
+                    cast += nb / div * g
+                grads += nb / div * (g if narrow and not custom else 1.0)
+            else:
+                grads += nb / div
             split = [d for d, e in enumerate(spec)
                      if e == "tensor" or (isinstance(e, tuple) and "tensor" in e)]
             tdims.update(int(leaf.shape[d]) for d in split)
             dims = [d for d, n in enumerate(leaf.names or ()) if n != "layers"]
             weights += bool(split) and len(dims) >= 2
             rows += len(dims) >= 2 and dims[0] in split
-        return _Shard(local, gathered, unsharded, weights, rows, frozenset(tdims))
+        return _Shard(local, gathered, unsharded, weights, rows, frozenset(tdims), gather_wire,
+                      reduce_wire, cast, grads)
 
     def flops_per_step(self, remat: str) -> float:
         return self.cached(("flops", remat), lambda: self.cost.flops_per_step(remat))
@@ -217,7 +255,10 @@ class Context:
             div = _saved_divisor(self.shard(i, fsdp, tensor).tensor_dims, tensor)
             lay = self.cost.layers[i]
             saved = lay.fused.get(remat, lay.saved.get(remat)) if fused else lay.saved[remat]
-            return saved.split(div, self.profile.upcasts_16bit)
+            const, per_row = saved.split(div, self.profile.upcasts_16bit)
+            # A scan stores the row-independent residuals (its weights' compute-dtype casts)
+            # split like the weights, and gathers them again for the backward pass.
+            return (const / fsdp if lay.in_loop else const), per_row
 
         const, per_row = self.cached(("saved", i, remat, fsdp, tensor, fused), split)
         return const + per_row * rows
@@ -226,8 +267,8 @@ class Context:
                    io: float) -> float:
         """Peak extra bytes of layer i's backward pass at ``rows`` (jaxmp.cost.liveness)."""
         lay = self.cost.layers[i]
-        if remat not in lay.transient:  # the root's code: its gradients mirror what it saved
-            return 2 * io + self._saved_bytes(i, remat, fsdp, tensor, rows, fused=False)
+        if remat not in lay.transient:  # the root's code: its gradients mirror what it keeps
+            return 2 * io + self._saved_bytes(i, remat, fsdp, tensor, rows, fused=True)
         div = _saved_divisor(self.shard(i, fsdp, tensor).tensor_dims, tensor)
         sizes = self.cached(("transient", i, remat, fsdp, tensor),
                             lambda: lay.transient[remat].sizes(div, self.profile.upcasts_16bit))
@@ -256,6 +297,7 @@ class Context:
         rows = cost.rows / (data * fsdp * microbatches)
         bw_tensor = self.link_bw({"data": data, "stage": 1, "fsdp": fsdp,
                                   "tensor": tensor})["tensor"]
+        custom = self.wire_dtypes(fsdp)[0] == "int8"
         per_group = []
         for i in self.first:
             lay, sh = cost.layers[i], self.shard(i, fsdp, tensor)
@@ -267,9 +309,14 @@ class Context:
                 io *= 2
             transient = self._transient(i, remat, fsdp, tensor, rows, io)
             # Outside a loop an fsdp-gathered weight is gathered once and kept for the
-            # backward pass, unless remat recomputes the layer (then it is gathered again).
-            regather = lay.in_loop or remat != "none"
-            kept = 0.0 if regather else sh.gathered - sh.local
+            # backward pass, unless remat recomputes the layer (then it is gathered again;
+            # a policy recomputes a layer when it saves less than without one). Inside a
+            # loop it is gathered again, unless jaxmp gathers it (custom) without remat: then
+            # the scan keeps the gathered copy as a residual.
+            rematted = remat != "none" and {remat, "none"} <= set(lay.saved) \
+                and lay.saved[remat].bytes < lay.saved["none"].bytes
+            regather = rematted or (lay.in_loop and not (custom and remat == "none"))
+            kept = 0.0 if regather else sh.gather_wire
             flops = lay.flops(remat) * rows / cost.rows / (tensor if sh.tensor_dims else 1)
             # Full remat recomputes the forward, with its row-parallel all-reduces (all but the
             # last: the layer's own output is not needed again).
@@ -277,15 +324,17 @@ class Context:
                                                 else 0)
             tensor_bytes = n_all_reduce * 2 * (tensor - 1) / tensor * io if tensor > 1 else 0.0
             gathers = 2.0 if regather else 1.0
-            sharded = sh.gathered - sh.unsharded_fsdp
-            fsdp_bytes = (fsdp - 1) / fsdp * ((gathers + 1) * sharded + 2 * sh.unsharded_fsdp) \
-                if fsdp > 1 else 0.0
-            first_gather = (fsdp - 1) / fsdp * sharded if fsdp > 1 else 0.0
-            per_group.append((act + kept, saved, transient + 2 * (sh.gathered - sh.local),
+            fsdp_bytes = (fsdp - 1) / fsdp * (gathers * sh.gather_wire + sh.reduce_wire
+                                              + 2 * sh.unsharded_fsdp) if fsdp > 1 else 0.0
+            first_gather = (fsdp - 1) / fsdp * sh.gather_wire if fsdp > 1 else 0.0
+            # The backward pass of a layer holds its gathered weights and their gradients at
+            # full size (in the wire dtypes) beside its own live values.
+            per_group.append((act + kept, saved,
+                              transient + sh.reduce_wire + (sh.gather_wire if regather else 0.0),
                               transient, flops / self.rate + tensor_bytes / bw_tensor,
                               flops / self.rate, tensor_bytes, sh.local, sh.gathered,
                               sh.unsharded_fsdp, lay.boundary_bytes * rows / cost.rows, gathers,
-                              fsdp_bytes, first_gather))
+                              fsdp_bytes, first_gather, sh.grads, sh.cast))
         columns = np.array(per_group, dtype=np.float64)[self.group_of]
         return LayerTable(*(columns[:, j] for j in range(columns.shape[1])))
 
@@ -304,12 +353,12 @@ class Context:
         data-reduction decision, gather dtype and compression derived here, once."""
         stages = int(sizes.get("stage", 1))
         compression = effective_compression(self.compression, int(sizes.get("data", 1)))
+        wire, reduce = self.wire_dtypes(int(sizes.get("fsdp", 1)))
         return Layout(mesh_items(sizes), remat, microbatches, schedule if stages > 1 else "",
                       virtual if stages > 1 else 1,
                       self.split(remat, stages, virtual) if stages > 1 else None,
-                      reduction(sizes, compression, microbatches),
-                      gather_dtype(self.weights, self.compute_dtype, int(sizes.get("fsdp", 1))),
-                      compression)
+                      reduction(sizes, compression, microbatches), wire, compression,
+                      reduce_dtype=reduce)
 
     def outside_stack(self, fsdp: int, tensor: int) -> tuple[float, float]:
         """Parameter and optimizer bytes per device of the layers outside the layer stack

@@ -36,8 +36,13 @@ class Layout:
     ``schedule`` is ``""`` and ``split`` None without pipeline stages; ``split`` cuts the
     pipeline's folded per-layer table (``pre``, each block, ``post``) into ``stages ×
     virtual_stages`` chunks. ``gather_dtype`` is what fsdp weight gathers move: ``"param"`` (as
-    stored), ``"bfloat16"`` or ``"int8"``. ``compression`` is what the data-axis reduction
-    sends (kind ``"none"`` without a data axis).
+    stored), ``"bfloat16"`` or ``"int8"``; ``reduce_dtype`` what fsdp's gradient
+    reduce-scatters move, which follows from it (:func:`jaxmp.compression.gather.reduce_dtype`:
+    ``"param"``, ``"bfloat16"``, or int8's compute dtype). ``compression`` is what the
+    data-axis reduction sends (kind ``"none"`` without a data axis). ``attention`` is the
+    attention kernel the model is built with, decided for the platform the run targets
+    (``"xla"`` | ``"cudnn"``; ``""``: not the plan's to decide — a model that calls its
+    attention its own way).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -49,6 +54,8 @@ class Layout:
     reduce_after_microbatches: bool = False
     gather_dtype: str = "param"
     compression: Compression = field(default_factory=Compression)
+    attention: str = ""
+    reduce_dtype: str = "param"
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -23,19 +23,21 @@ batch axes cannot split, ...) are refused here, in one line naming the key.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Mapping, Sequence
 
 from jaxmp import sharding
 from jaxmp._util.fmt import mesh_str
-from jaxmp.compression.gather import gather_dtype
+from jaxmp.compression.gather import gather_dtype, reduce_dtype
 from jaxmp.compression.reduce import Compression
 from jaxmp.config import MeshConfig, TrainerConfig
 from jaxmp.cost import ModelCost
 from jaxmp.devices import profile_from_config
 from jaxmp.errors import ConfigError
 from jaxmp.mesh import AXES, resolve_axes
+from jaxmp.models.attention import AttentionChoice
 from jaxmp.pipeline.footprint import stack_span
 from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import split_layers
@@ -129,7 +131,8 @@ def make_plan(config: TrainerConfig, cost: ModelCost | None, n_devices: int, *,
               stack_blocks: int | None = None, compute_dtype: str | None = None,
               remat: str = "none", remats: Sequence[str] | None = None,
               device_kind: str | None = None, strict: bool = False, measure_cpu: bool = False,
-              top: int = 8, find_devices_needed: bool = True) -> Plan:
+              top: int = 8, find_devices_needed: bool = True,
+              attention: AttentionChoice | None = None) -> Plan:
     """The plan of one run: ``config``'s fixed keys as constraints, every ``"auto"`` decided.
 
     ``cost``: the model's per-layer costs (None: the config with defaults, no predictions);
@@ -138,7 +141,9 @@ def make_plan(config: TrainerConfig, cost: ModelCost | None, n_devices: int, *,
     its stack; ``compute_dtype`` the dtype it computes in (what ``compression.weights =
     "auto"`` gathers); ``remat`` its policy when there are no costs (with costs:
     ``cost.runs_as``, ``"auto"``: ranked); ``remats`` the policies to rank (default: the
-    runnable one, every costed one when ``auto``).
+    runnable one, every costed one when ``auto``); ``attention`` the attention kernel chosen
+    for the platform the run targets (:func:`jaxmp.models.attention.choose_attention`; the
+    costs must be traced with it), recorded in the layout (None: the model's own business).
 
     Every process of a multi-host run must reach the same plan, so the Trainer keeps
     ``strict=False`` (an unknown device kind describes itself) and ``measure_cpu=False`` (no
@@ -159,8 +164,8 @@ def make_plan(config: TrainerConfig, cost: ModelCost | None, n_devices: int, *,
         check_stages(config, fixed, pipeline, n_blocks)
     compression = Compression.from_config(config.compression)
     if cost is None:
-        return _from_config(config, fixed, rules, n_blocks, compression, compute_dtype, remat,
-                            start)
+        return _with_attention(_from_config(config, fixed, rules, n_blocks, compression,
+                                            compute_dtype, remat, start), attention)
     profile = profile_from_config(config.device, device_kind, strict=strict,
                                   measure_cpu=measure_cpu)
     auto = cost.runs_as == "auto"
@@ -178,6 +183,14 @@ def make_plan(config: TrainerConfig, cost: ModelCost | None, n_devices: int, *,
         raise ConfigError(f"the model's layer stack has {stack_blocks} blocks but its costs "
                           f"have {result.layout.split.n_blocks}")
     result.planning_time_s = time.perf_counter() - start
+    return _with_attention(result, attention)
+
+
+def _with_attention(result: Plan, attention: AttentionChoice | None) -> Plan:
+    """``result`` with the attention kernel in its layout and the reason in its notes."""
+    if attention is not None:
+        result.layout = dataclasses.replace(result.layout, attention=attention.implementation)
+        result.notes.append(str(attention))
     return result
 
 
@@ -203,10 +216,10 @@ def _from_config(config: TrainerConfig, sizes: dict[str, int], rules: tuple,
                               "Trainer an example_batch) or use pipeline.balance='layers'")
         split = split_layers([1.0] * (int(n_blocks or 0) + 2), stages, virtual, "layers")
     comp = effective_compression(compression, sizes["data"])
+    wire = gather_dtype(config.compression.weights, compute_dtype, sizes["fsdp"])
     layout = Layout(mesh_items(sizes), remat, microbatches, kind if stages > 1 else "",
                     virtual if stages > 1 else 1, split, reduction(sizes, comp, microbatches),
-                    gather_dtype(config.compression.weights, compute_dtype, sizes["fsdp"]),
-                    comp)
+                    wire, comp, reduce_dtype=reduce_dtype(wire, compute_dtype))
     if stages > 1:
         Schedule(layout.schedule, stages, microbatches, layout.virtual_stages)  # validates
     return Plan(layout, predicted=None, fits=None, runnable=True, rules=rules,

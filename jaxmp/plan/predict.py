@@ -5,13 +5,16 @@ sharding rules resolved on the candidate mesh (:class:`~jaxmp.plan.context.Conte
 device profile. Layouts with pipeline stages go to :mod:`jaxmp.plan.pipeline`; this module
 predicts the rest, where every device runs every layer:
 
-* **memory**: parameters and Adam state as the rules shard them (their bytes per parameter
-  follow the precision policy: float32 master weights and moments with bfloat16 compute are
-  12 bytes, plus 8 for the gradients and the optimizer's update); the saved activations of
-  every layer at the device's rows (the last layer's: the logits); the working set — the
-  largest backward pass of one layer (recomputed activations under remat, activation
-  gradients, attention scores) plus, under fsdp, its gathered weights and their full-size
-  gradients. It is one layer's, so it does not grow with depth or microbatches.
+* **memory**: the arguments — parameters and Adam state as the rules shard them (float32
+  master weights and moments: 12 bytes per parameter) and the batch — plus the largest of
+  what the step holds beside them: during each layer's backward pass (:func:`backward_phases`;
+  the largest is usually the head's, right after the forward pass) the activations still
+  saved (every layer's up to this one; a scanned stack's whole), the gradients made so far
+  (a stack's whole buffer, in the dtype fsdp reduces them in), the layer's working set
+  (recomputed activations under remat, activation gradients, attention scores, and under
+  fsdp its gathered weights and their full-size gradients, in the wire dtypes) and the
+  narrow copies of the fsdp shards the gathers read; or, after it, the float32 gradients and
+  the optimizer's update. Accumulating microbatches adds a float32 running sum.
 * **communication**, ring formulas, bytes each device sends: ``data`` all-reduces gradients,
   2(N-1)/N·S, once per microbatch (inside the accumulation loop, as the step compiles);
   ``fsdp`` all-gathers weights (forward, and again in the backward pass of a scanned stack or
@@ -24,10 +27,12 @@ predicts the rest, where every device runs every layer:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from jaxmp.mesh import AXES
-from jaxmp.plan.context import STEP_STATE_BYTES, Context, Prediction, overlapped
+from jaxmp.plan.context import STEP_STATE_BYTES, Context, LayerTable, Prediction, overlapped
 from jaxmp.plan.layout import Layout
 from jaxmp.plan.pipeline import predict_pipeline
 
@@ -44,21 +49,33 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     own = np.where(ctx.tied, 0.0, table.param_local)  # tied weights: stored once
     params = float(own.sum())
     opt = float((own * ctx.opt_ratio).sum())
-    acts = float(table.kept.sum())
-    k_work = int(np.argmax(table.work))
-    working = float(table.work[k_work])
-    name = cost.layers[k_work].group or cost.layers[k_work].name
-    gathered = working - float(table.transient[k_work])
-    working_parts = {f"{name} backward": float(table.transient[k_work])}
-    if gathered:
-        working_parts[f"{name} fsdp-gathered weights + grads"] = gathered
     batch = cost.batch_bytes / (data * fsdp)
     args = params + opt + batch + STEP_STATE_BYTES
-    # The gradients and the optimizer's update, both parameter-sized; accumulating over
-    # microbatches adds the running sum.
-    grads = (3 if microbatches > 1 else 2) * params
+    phase = backward_phases(table, ctx.in_loop, ctx.tied)
+    k = int(np.argmax(phase.total))
+    # Accumulating over microbatches keeps a float32 running sum beside every backward pass.
+    accumulator = params if microbatches > 1 else 0.0
+    # XLA's data-axis all-reduce of the gradients (no reducer) writes a reduced copy beside
+    # the device's own: one more parameter-sized buffer while the backward pass ends.
+    if data > 1 and not layout.reduce_after_microbatches:
+        accumulator += params
+    cast = float(table.cast.sum())
+    # After the backward pass: the float32 gradients and the optimizer's update.
+    update = 2 * params + accumulator
+    during = cast + accumulator + float(phase.total[k])
+    name = cost.layers[k].group or cost.layers[k].name
+    if during >= update:
+        acts, grads = float(phase.live[k]), float(phase.grads[k]) + accumulator
+        working = float(table.work[k]) + cast
+        gathered = float(table.work[k] - table.transient[k])
+        working_parts = {f"{name} backward": float(table.transient[k])}
+        if gathered:
+            working_parts[f"{name} fsdp-gathered weights + grads"] = gathered
+        if cast:
+            working_parts["narrow copies of the fsdp shards"] = cast
+    else:
+        acts, grads, working, working_parts = 0.0, update, 0.0, {}
     total = args + grads + acts + working
-
     comm = dict.fromkeys(AXES, 0.0)
     comm["tensor"] = microbatches * float(table.tensor_bytes.sum())
     comm["fsdp"] = microbatches * float(table.fsdp_bytes.sum())
@@ -92,4 +109,28 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
         bubble_s=0.0, comm_s=comm_s, comm_bytes=comm, step_time_s=step,
         stages=[(0, len(cost.layers))], stage_time_s=[step],
         comm_hidden_s={k: hidden * share[k] for k in raw}, working_parts=working_parts,
-        activation_parts={"saved by every layer": acts})
+        activation_parts={f"saved, live in {name}'s backward": acts})
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Per layer, what the device holds while that layer's backward pass runs (the backward
+    visits the layers last to first): ``live`` activations — every layer's up to this one, and
+    a layer stack's whole (a scan's residual buffers are freed when the loop ends);
+    ``grads`` — the gradients of the layers done, and a stack's whole buffer (the scan's
+    output); ``total`` — those plus the layer's working set."""
+
+    live: np.ndarray
+    grads: np.ndarray
+    total: np.ndarray
+
+
+def backward_phases(table: LayerTable, in_loop: np.ndarray, tied: np.ndarray) -> Phases:
+    """:class:`Phases` of a :class:`~jaxmp.plan.context.LayerTable` (``in_loop``: the layers
+    of a scanned stack; ``tied``: layers whose parameters another layer holds)."""
+    kept = table.kept
+    held = np.where(tied, 0.0, table.grads)
+    after = lambda x: np.concatenate([np.cumsum(x[::-1])[::-1][1:], [0.0]])  # noqa: E731
+    live = np.cumsum(kept) + np.where(in_loop, after(kept * in_loop), 0.0)
+    grads = after(held) + np.where(in_loop, np.cumsum(held * in_loop), 0.0)
+    return Phases(live, grads, live + grads + table.work)

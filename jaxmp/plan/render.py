@@ -98,16 +98,41 @@ def render(plan: Plan, batch: str = "") -> str:
         lines.append("  dropped: " + "; ".join(f"{k} ({v})" for k, v in plan.dropped.items()))
     lines += [f"note: {note}" for note in plan.notes]
     if plan.verify:
-        v = plan.verify
-        lines += ["", f"verify (the Trainer built from this plan, its layout as planned, its step "
-                      f"compiled on {plan.n_devices} devices):"]
-        lines += table(["", "predicted", "compiled", "rel err"],
-                       [[key, fmt_bytes(v[key]["predicted"]), fmt_bytes(v[key]["compiled"]),
-                         f"{v[key]['rel_err']:.1%}"]
-                        for key in ("argument_bytes", "peak_bytes", "comm_bytes_per_step")],
-                       right={1, 2, 3})
+        lines += ["", *_verify_lines(plan.verify, plan.n_devices)]
     lines.append(f"\nplanned in {plan.planning_time_s:.3f} s (cost model {plan.cost_time_s:.2f} s)")
     return "\n".join(lines)
+
+
+def _verify_lines(v: dict, n: int) -> list[str]:
+    """``--verify``'s section: predicted vs compiled rows; with ``--aot`` also the fit verdicts
+    and the async collectives (overlapped / exposed) per kind."""
+    backend = v.get("backend", f"{n} devices")
+    lines = [f"verify (the Trainer built from this plan, its layout as planned, its step "
+             f"compiled: {backend}):"]
+    lines += table(["", "predicted", "compiled", "rel err"],
+                   [[key, fmt_bytes(v[key]["predicted"]), fmt_bytes(v[key]["compiled"]),
+                     f"{v[key]['rel_err']:.1%}"]
+                    for key in ("argument_bytes", "peak_bytes", "comm_bytes_per_step")],
+                   right={1, 2, 3})
+    if "fits" in v:
+        short = v.get("xla_rematerialization")
+        xla = (f"; XLA's rematerialization could not get below its limit of "
+               f"{fmt_bytes(short['limit_bytes'])}: needs {fmt_bytes(short['needed_bytes'])}"
+               if short else "")
+        lines.append(f"fits in {fmt_bytes(v['memory_limit_bytes'])} per device: compiled "
+                     f"{'yes' if v['fits'] else 'NO'}, predicted "
+                     f"{'yes' if v['predicted_fits'] else 'NO'}{xla}; compiled in "
+                     f"{v['compile_s']:.1f} s")
+    if "collectives" in v:
+        c = v["collectives"]
+        lines += table(["collective", "bytes/device", "async", "overlapped", "exposed", "sync"],
+                       [[k, fmt_bytes(r["bytes"]), r["async"], r["overlapped"], r["exposed"],
+                         r["sync"]] for k, r in c["by_kind"].items()], right={1, 2, 3, 4, 5})
+        lines.append(f"all-gathers in the layer loop: {c['loop_all_gathers']}, exposed "
+                     f"{c['loop_all_gathers_exposed']}")
+    if v.get("hlo_file"):
+        lines.append(f"compiled HLO written to {v['hlo_file']}")
+    return lines
 
 
 def _rows(chosen: Prediction, given: Prediction) -> list[tuple[str, float, float, str]]:

@@ -27,7 +27,8 @@ from jaxmp.data import STDLIB_VOCAB, BatchIterator, make_batches, padded_vocab, 
 from jaxmp.data.meta import META, RUN_META, TOKENIZER
 from jaxmp.errors import ConfigError
 from jaxmp.models import GPT, GPTConfig, lm_loss, next_token_loss
-from jaxmp.models.attention import AttentionChoice, choose_attention, device_platform
+from jaxmp.models.attention import (PIPELINE_BLOCKER, AttentionChoice, choose_attention,
+                                   device_platform)
 from jaxmp.pipeline.chunk import PipelineSpec
 from jaxmp.plan import Plan, make_plan
 from jaxmp.recipes.gpt_config import Config, ModelConfig
@@ -70,36 +71,36 @@ def platform_of(devices: Sequence[Any] | None = None) -> str:
 
 
 def attention_for(m: ModelConfig, platform: str | None = None) -> AttentionChoice:
-    """``model.attention`` resolved for ``platform`` (default: this process's devices)."""
+    """``model.attention`` resolved for ``platform`` (default: this process's devices): the
+    plan's decision (:func:`gpt_plan` records it in the layout)."""
     return choose_attention(m.attention, platform or platform_of(), m.compute_dtype,
                             m.resolved_head_dim)
 
 
-def attention_choice(config: Config, devices: Sequence[Any] | None = None) -> AttentionChoice:
-    """The attention the GPT of ``config`` runs on ``devices``: for the run's start-up line."""
-    return attention_for(config.model, platform_of(devices))
-
-
-def model_gpt_config(m: ModelConfig, platform: str | None = None) -> GPTConfig:
+def model_gpt_config(m: ModelConfig, platform: str | None = None,
+                     attention: str | None = None) -> GPTConfig:
     """A ``[model]`` section as the model's own GPTConfig: each field by name, with the
     section's ``resolved_*`` value where it derives one (zeros mean "derive it"), and the
-    attention kernel chosen for ``platform`` (default: this process's devices)."""
+    attention kernel ``attention`` (a plan's), else the one chosen for ``platform`` (default:
+    this process's devices)."""
     if not m.vocab_size:
         raise ConfigError("model.vocab_size: 0 ('from the data') has no data to come from here")
     fields = {f.name: getattr(m, f"resolved_{f.name}", getattr(m, f.name))
               for f in dataclasses.fields(GPTConfig)}
-    fields["attention"] = attention_for(m, platform).implementation
+    fields["attention"] = attention or attention_for(m, platform).implementation
     return GPTConfig(**fields)
 
 
-def gpt_config(config: Config, platform: str | None = None) -> GPTConfig:
+def gpt_config(config: Config, platform: str | None = None,
+               attention: str | None = None) -> GPTConfig:
     """The model of a GPT config, its vocabulary resolved against the data, its attention
-    against ``platform``."""
-    return model_gpt_config(resolve_data(config).model, platform)
+    kernel ``attention`` or the one chosen for ``platform``."""
+    return model_gpt_config(resolve_data(config).model, platform, attention)
 
 
-def gpt_model_fn(config: Config, platform: str | None = None) -> Callable[[nnx.Rngs], GPT]:
-    cfg = gpt_config(config, platform)
+def gpt_model_fn(config: Config, platform: str | None = None,
+                 attention: str | None = None) -> Callable[[nnx.Rngs], GPT]:
+    cfg = gpt_config(config, platform, attention)
     return lambda rngs: GPT(cfg, rngs=rngs)
 
 
@@ -122,14 +123,15 @@ _COST_CACHE: dict[tuple, ModelCost] = {}
 
 
 def gpt_costs(config: Config, remats: Sequence[str] | None = None,
-              platform: str | None = None) -> ModelCost:
+              platform: str | None = None, attention: str | None = None) -> ModelCost:
     """Per-layer costs of the configured GPT on the configured global batch (cached).
 
     ``remats``: the policies to cost (default, or ``"auto"``: all). ``runs_as`` is the
-    configured policy (``"auto"``: the planner picks). ``platform``: where the model will run
-    (its attention kernel; default this process's), traced here whatever this host is.
+    configured policy (``"auto"``: the planner picks). The attention kernel traced is
+    ``attention`` (a plan's), else the one chosen for ``platform`` (where the model will run;
+    default this process's), traced here whatever this host is.
     """
-    gcfg = gpt_config(config, platform)
+    gcfg = gpt_config(config, platform, attention)
     if gcfg.remat == "auto":  # each layer is costed under every policy; trace it without one
         gcfg = dataclasses.replace(gcfg, remat="none")
     remats = tuple(r for r in (remats or ()) if r != "auto") or tuple(REMAT_POLICIES)
@@ -157,19 +159,39 @@ def gpt_plan(config: Config, n_devices: int, device_kind: str | None = None, *,
              platform: str | None = None) -> Plan:
     """The configured GPT's plan: :func:`jaxmp.plan.make_plan` with its costs (every remat
     policy ranked when ``model.remat`` is ``auto``; ``remats``: rank these too, e.g. all for
-    ``jaxmp plan``), its attention as on ``platform`` (default this process's devices).
-    ``jaxmp train`` keeps ``strict=False, measure_cpu=False`` (every process reaches the same
+    ``jaxmp plan``). The attention kernel is decided here, for ``platform`` (default this
+    process's devices; ``"cuda"`` for a deviceless GPU compile): the costs are traced with it
+    and the layout records it, which the Trainer builds. ``jaxmp train`` keeps ``strict=False, measure_cpu=False`` (every process reaches the same
     plan); ``jaxmp plan`` and ``jaxmp bench`` measure the CPU."""
     config = resolve_data(config)
-    start = time.perf_counter()
-    cost = gpt_costs(config, remats or (config.model.remat,), platform)
-    seconds = time.perf_counter() - start
-    plan = make_plan(config, cost, n_devices, device_kind=device_kind, remats=remats,
-                     strict=strict, measure_cpu=measure_cpu, stack_blocks=config.model.layers,
-                     compute_dtype=config.model.compute_dtype, top=top,
-                     find_devices_needed=find_devices_needed)
-    plan.cost_time_s = seconds
-    return plan
+    attention = attention_for(config.model, platform)  # the kernel the costs are traced with
+
+    def planned(config: Config, attention: AttentionChoice) -> Plan:
+        start = time.perf_counter()
+        cost = gpt_costs(config, remats or (config.model.remat,),
+                         attention=attention.implementation)
+        seconds = time.perf_counter() - start
+        plan = make_plan(config, cost, n_devices, device_kind=device_kind, remats=remats,
+                         strict=strict, measure_cpu=measure_cpu,
+                         stack_blocks=config.model.layers,
+                         compute_dtype=config.model.compute_dtype, top=top,
+                         find_devices_needed=find_devices_needed, attention=attention)
+        plan.cost_time_s = seconds
+        return plan
+
+    plan = planned(config, attention)
+    if attention.implementation != "cudnn" or plan.layout.stages == 1:
+        return plan
+    # Stages run XLA's attention (PIPELINE_BLOCKER): without stages if the mesh leaves them
+    # open and cuDNN's plan fits so, else with XLA's attention, costed as such.
+    if config.mesh.stage == "auto":
+        flat = planned(replace(config, mesh={"stage": 1}), attention)
+        if flat.fits or config.model.attention == "cudnn":
+            return flat
+    elif config.model.attention == "cudnn":
+        raise ConfigError(f"model.attention: 'cudnn' cannot run with mesh.stage="
+                          f"{config.mesh.stage}: {PIPELINE_BLOCKER} (use 'auto' or 'xla')")
+    return planned(config, AttentionChoice("xla", f"auto: {PIPELINE_BLOCKER}"))
 
 
 def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,
@@ -186,22 +208,26 @@ def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,
     """
     config = resolve_data(config)
     devices = list(devices if devices is not None else jax.devices())
-    platform = platform_of(devices)  # the model's attention kernel is the devices' choice
+    platform = platform_of(devices)
     plan = plan or gpt_plan(config, len(devices), platform=platform)
     config = replace(config, model={"remat": plan.remat})  # "auto": the plan's policy
+    attention = plan.layout.attention or attention_for(config.model, platform).implementation
+    if attention == "cudnn" and platform != "cuda":
+        raise ConfigError(f"the plan runs cuDNN attention, which the {platform} devices given "
+                          f"cannot (it was made for another platform)")
     eval_data = None
     if with_data and config.train.eval_every > 0 and config.data.source != "synthetic":
         eval_data = lambda: lm_batches(config, split="eval")  # noqa: E731 - fresh, same batches
         eval_data()  # a split too short for one batch is bad input now, not at the first eval
     if with_data:
         copy_tokenizer(config, run_dir)
-    return Trainer(config, gpt_model_fn(config, platform), lm_loss,
+    return Trainer(config, gpt_model_fn(config, attention=attention), lm_loss,
                    lm_batches(config) if with_data else None, run_dir=run_dir,
                    eval_data=eval_data, devices=devices, plan=plan,
-                   cost=lambda: gpt_costs(config, (config.model.remat,), platform),
+                   cost=lambda: gpt_costs(config, (config.model.remat,), attention=attention),
                    example_batch=example_batch(config), pipeline=gpt_pipeline(config),
                    compute_dtype=config.model.compute_dtype,
-                   model_flops_per_token=gpt_config(config, platform).flops_per_token(
+                   model_flops_per_token=gpt_config(config, attention=attention).flops_per_token(
                        config.data.seq_len))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ from flax import nnx
 
 from jaxmp import sharding
 from jaxmp._util.arrays import tree_bytes
+from jaxmp._util.env import gpu_compile_options, platform_note
 from jaxmp._util.fmt import fmt_bytes, mesh_str
 from jaxmp._util.io import atomic_write, make_dir
 from jaxmp._util.log import say
@@ -38,11 +40,33 @@ from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
 from jaxmp.train.metrics import (MetricsWriter, Profiler, Progress, batch_tokens,
                                  memory_metrics, total_peak_flops)
 from jaxmp.train.optimizer import make_optimizer, make_schedule
-from jaxmp.train.planning import (CostSource, Stages, check_plan, plan_run, remat_of,
-                                  split_of)
+from jaxmp.train.planning import (CostSource, Stages, attention_of, check_plan, plan_run,
+                                  remat_of, split_of)
 from jaxmp.train.preempt import Preemption
 from jaxmp.train.state import Extension, TrainState, init_state, plan_state
 from jaxmp.train.step import LossFn, batch_spec, make_eval_step, make_train_step
+
+
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+_UNKNOWN_OPTION = re.compile(r"No such compile option: '([\w.]+)'")
+_UNKNOWN_OPTIONS: set[str] = set()  # flags this jaxlib's XLA does not have (asked once each)
+
+
+def compile_with_options(lowered: Any, options: dict[str, Any]) -> Any:
+    """``lowered.compile(compiler_options=options)`` without the options this XLA does not
+    know: XLA's flags come and go between versions (jaxlib 0.12's GPU compiler has no
+    ``xla_gpu_enable_pipelined_*``: collective pipelining is its default there), and an
+    unknown one fails the compile, so each is dropped once, with one line saying so."""
+    while True:
+        kept = {k: v for k, v in options.items() if k not in _UNKNOWN_OPTIONS}
+        try:
+            return lowered.compile(compiler_options=kept) if kept else lowered.compile()
+        except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error type
+            found = _UNKNOWN_OPTION.search(str(e))
+            if found is None or found[1] not in kept:
+                raise
+            _UNKNOWN_OPTIONS.add(found[1])
+            say(f"jaxmp: this XLA has no flag --{found[1]}; compiling without it")
 
 
 class Trainer:
@@ -97,6 +121,7 @@ class Trainer:
         abstract = sharding.abstract(lambda: model_fn(nnx.Rngs(0)))
         self.stack_blocks = stack_length(abstract, pipeline)
         self._model_remat = remat_of(abstract)  # the policy the model was built with
+        self._attention = attention_of(abstract)  # and its attention kernel
         self.costs = CostSource(model_fn, loss_fn, cost, example_batch, path_rules)
         # The one plan: given (made by the same function), or made here. Everything below
         # builds its layout as is.
@@ -135,7 +160,8 @@ class Trainer:
     def executed_layout(self) -> Layout:
         """The layout read back from what was built — the mesh, the pipeline executor's
         schedule, the padded stack's split, the step's accumulation, reducer and gather
-        policy, the model's (or pipeline's) remat — not copied from the plan; a test compares
+        policy, the model's (or pipeline's) remat and attention kernel — not copied from the
+        plan; a test compares
         it with ``self.plan.layout`` field by field."""
         sizes = mesh_shape(self.mesh)
         st = self.stages
@@ -151,7 +177,9 @@ class Trainer:
         comp = self.reducer.comp if self.reducer is not None else Compression()
         return Layout(mesh_items(sizes), remat, microbatches, schedule, virtual, split,
                       self.reducer is not None,
-                      self.gather.wire if self.gather is not None else "param", comp)
+                      self.gather.wire if self.gather is not None else "param", comp,
+                      self._attention,
+                      self.gather.reduce if self.gather is not None else "param")
 
     # -- the one train step -------------------------------------------------------------------
     def compile(self, batch: Any = None, warmup: bool = False) -> Any:
@@ -170,7 +198,15 @@ class Trainer:
                                self.accumulation, self.rules, self.config.train.seed,
                                grad_fn=self.grad_fn, gather=self.gather, reducer=reducer,
                                guard=self.guard)
-        return step.lower(self.layout.abstract, batch).compile()
+        return self._compile(step.lower(self.layout.abstract, batch))
+
+    def _compile(self, lowered: Any) -> Any:
+        """Compile for this mesh's devices; on GPUs (attached or deviceless) with jaxmp's GPU
+        flags and the config's (:func:`jaxmp._util.env.gpu_compile_options`), so ``jaxmp
+        train`` and a deviceless compile of the same step get the same program."""
+        if self.mesh.devices.flat[0].platform not in GPU_PLATFORMS:
+            return lowered.compile()
+        return compile_with_options(lowered, gpu_compile_options(self.config.xla.flags))
 
     # -- set-up -------------------------------------------------------------------------------
     def lint(self) -> sharding.LintReport:
@@ -222,11 +258,11 @@ class Trainer:
         step_fn = self.compile(batch)  # the same executable runs the steps and reports its cost
         warm = wire.warmup_steps(self.plan.layout)  # PowerSGD's uncompressed first steps
         warm_fn = self.compile(batch, warmup=True) if start_step < warm else None
-        eval_fn = make_eval_step(
+        eval_fn = self._compile(make_eval_step(
             self.layout, self.loss_fn, batch, self.rules, t.seed,
             pipeline_loss=None if self.executor is None else self.executor.eval_fn(self.rules)
-        ).lower(self.layout.abstract, batch).compile() \
-            if self.eval_data is not None and t.eval_every > 0 else None
+        ).lower(self.layout.abstract, batch)) if self.eval_data is not None and t.eval_every > 0 \
+            else None
         peers.align("compiled")  # several processes: all compiled before any program runs
         tokens = batch_tokens(batch)
         flops = self._flops_per_step(step_fn, tokens)
@@ -234,10 +270,14 @@ class Trainer:
         writer = MetricsWriter(self.run_dir, self.is_main, cfg.logging.tensorboard,
                                resume_step=start_step)  # drops lines a resume will log again
         progress = Progress(t.steps, self.is_main and cfg.logging.progress)
+        if platform_note():
+            progress.message(platform_note())
+        kernel = f"; attention {self.plan.layout.attention}" if self.plan.layout.attention \
+            else ""
         progress.message(f"jaxmp: mesh {mesh_str(dict(self.mesh.shape))} on {self.mesh.size} "
                          f"{self.mesh.devices.flat[0].platform} device(s); "
-                         f"{fmt_bytes(tree_bytes(self.layout.abstract.params))} params; "
-                         f"steps {start_step}..{t.steps}; run dir {self.run_dir}")
+                         f"{fmt_bytes(tree_bytes(self.layout.abstract.params))} params"
+                         f"{kernel}; steps {start_step}..{t.steps}; run dir {self.run_dir}")
         progress.message(f"jaxmp: params {lint.summary()}")
         wired = wire.summary(cfg, self.plan.layout, self.gather)
         if wired:

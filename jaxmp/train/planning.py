@@ -106,6 +106,15 @@ def remat_of(model: nnx.Module) -> str:
     return "none"
 
 
+def attention_of(model: nnx.Module) -> str:
+    """The attention kernel a model was built with, read from its modules: each that names
+    one in an ``implementation`` attribute (the GPT's attention layers); ``""`` when none does
+    (a model that calls its attention its own way), ``"mixed"`` when they differ."""
+    kinds = {m.implementation for _, m in nnx.iter_modules(model)
+             if isinstance(getattr(m, "implementation", None), str)}
+    return kinds.pop() if len(kinds) == 1 else "mixed" if kinds else ""
+
+
 @dataclass(frozen=True)
 class Stages:
     """What a pipelined step's executor is built with: the schedule it runs (its tick tables)

@@ -60,5 +60,6 @@ def summary(config: TrainerConfig, layout: Layout, gather_policy: WeightGather |
                      f"compression.gradients={kind!r} has no effect without a "
                      f"data axis (mesh.data=1)")
     if gather_policy is not None:
-        parts.append(f"fsdp weights gathered as {gather_policy.wire}")
+        parts.append(f"fsdp weights gathered as {gather_policy.wire}, gradients reduced as "
+                     f"{gather_policy.reduce}")
     return "; ".join(parts)

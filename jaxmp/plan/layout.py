@@ -37,7 +37,9 @@ class Layout:
     pipeline's folded per-layer table (``pre``, each block, ``post``) into ``stages ×
     virtual_stages`` chunks. ``gather_dtype`` is what fsdp weight gathers move: ``"param"`` (as
     stored), ``"bfloat16"`` or ``"int8"``. ``compression`` is what the data-axis reduction
-    sends (kind ``"none"`` without a data axis).
+    sends (kind ``"none"`` without a data axis). ``optimizer_sharding`` is ``"data"`` when the
+    optimizer state is sharded over the data axis as well (ZeRO-1, :mod:`jaxmp.train.zero`;
+    only with ``data > 1``), else ``"none"``.
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -49,6 +51,7 @@ class Layout:
     reduce_after_microbatches: bool = False
     gather_dtype: str = "param"
     compression: Compression = field(default_factory=Compression)
+    optimizer_sharding: str = "none"
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -96,3 +99,12 @@ def effective_compression(compression: Compression, data: int) -> Compression:
     """What the data-axis reduction sends: nothing to compress without a data axis (and
     ``none`` carries no settings)."""
     return compression if data > 1 and compression.kind != "none" else Compression()
+
+
+def optimizer_sharding(configured: str, data: int, auto: str = "none") -> str:
+    """The optimizer-state decision of a layout with ``data`` replicas: the configured
+    ``train.optimizer_sharding``, ``auto`` for ``"auto"`` (the search tries both), and
+    ``"none"`` whenever there is no data axis to shard over."""
+    if data <= 1:
+        return "none"
+    return auto if configured == "auto" else configured

@@ -32,7 +32,7 @@ from jaxmp.mesh import AXES
 from jaxmp.pipeline.footprint import buffer_slots, chunk_ranges
 from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import StageSplit
-from jaxmp.plan.context import STEP_STATE_BYTES, Context, Prediction
+from jaxmp.plan.context import STEP_STATE_BYTES, Context, Prediction, zero_divisor
 from jaxmp.plan.layout import Layout
 
 
@@ -121,8 +121,9 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
 
     # Parameters: the padded stack's rows and the shared (embedding, head) params on every stage.
     params = virtual * lmax * blk["param_local"] + k.shared
-    opt = virtual * lmax * blk["param_local"] * ctx.opt_ratio[ctx.span[0]] + k.shared_opt
-    grads = 2 * params  # the stacked and shared gradients, then the optimizer's update
+    zero = zero_divisor(layout)  # the optimizer state and update sharded over data
+    opt = (virtual * lmax * blk["param_local"] * ctx.opt_ratio[ctx.span[0]] + k.shared_opt) / zero
+    grads = params + params / zero  # the stacked and shared gradients, the optimizer's update
 
     # Buffers, as wide as the busiest device needs (plus the spare slot idle ticks write).
     slots = buffer_slots(schedule)

@@ -12,6 +12,9 @@ predicts the rest, where every device runs every layer:
   largest backward pass of one layer (recomputed activations under remat, activation
   gradients, attention scores) plus, under fsdp, its gathered weights and their full-size
   gradients. It is one layer's, so it does not grow with depth or microbatches.
+* **optimizer state sharded over data** (``train.optimizer_sharding``): the Adam state and
+  the update divide by ``data``; the gradient reduction becomes a reduce-scatter and an
+  all-gather of the updated params (the same bytes), the all-gather exposed at the step's end.
 * **communication**, ring formulas, bytes each device sends: ``data`` all-reduces gradients,
   2(N-1)/N·S, once per microbatch (inside the accumulation loop, as the step compiles);
   ``fsdp`` all-gathers weights (forward, and again in the backward pass of a scanned stack or
@@ -27,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmp.mesh import AXES
-from jaxmp.plan.context import STEP_STATE_BYTES, Context, Prediction, overlapped
+from jaxmp.plan.context import STEP_STATE_BYTES, Context, Prediction, overlapped, zero_divisor
 from jaxmp.plan.layout import Layout
 from jaxmp.plan.pipeline import predict_pipeline
 
@@ -43,7 +46,8 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     table = ctx.table(layout.remat, data, fsdp, tensor, microbatches)
     own = np.where(ctx.tied, 0.0, table.param_local)  # tied weights: stored once
     params = float(own.sum())
-    opt = float((own * ctx.opt_ratio).sum())
+    zero = zero_divisor(layout)
+    opt = float((own * ctx.opt_ratio).sum()) / zero
     acts = float(table.kept.sum())
     k_work = int(np.argmax(table.work))
     working = float(table.work[k_work])
@@ -54,9 +58,9 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
         working_parts[f"{name} fsdp-gathered weights + grads"] = gathered
     batch = cost.batch_bytes / (data * fsdp)
     args = params + opt + batch + STEP_STATE_BYTES
-    # The gradients and the optimizer's update, both parameter-sized; accumulating over
-    # microbatches adds the running sum.
-    grads = (3 if microbatches > 1 else 2) * params
+    # The gradients and the optimizer's update, both parameter-sized (the update a data slice
+    # when the optimizer state is sharded over data); accumulating adds the running sum.
+    grads = (2 if microbatches > 1 else 1) * params + params / zero
     total = args + grads + acts + working
 
     comm = dict.fromkeys(AXES, 0.0)
@@ -68,19 +72,24 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     data_bytes = ctx.grad_bytes_factor * 2 * (data - 1) / data * table.param_local
     comm["data"] = float(data_bytes.sum())
     bw = ctx.link_bw(sizes)
+    # Sharded optimizer state: the updated slices are all-gathered after the update, with
+    # nothing left to hide behind — half the all-reduce's bytes move there.
+    gather_after = 0.5 if zero > 1 and not at_end else 0.0
     per_layer = microbatches * table.fsdp_bytes / bw["fsdp"] + (
-        0.0 if at_end else data_bytes / bw["data"])
+        0.0 if at_end else (1 - gather_after) * data_bytes / bw["data"])
     exposed, hidden = overlapped(per_layer, microbatches * table.compute_time,
                                  float(table.first_gather_bytes.max()) / bw["fsdp"],
                                  ctx.profile.overlap)
     raw = {"fsdp": comm["fsdp"] / bw["fsdp"], "data": comm["data"] / bw["data"]}
-    overlappable = {"fsdp": raw["fsdp"], "data": 0.0 if at_end else raw["data"]}
+    overlappable = {"fsdp": raw["fsdp"],
+                    "data": 0.0 if at_end else (1 - gather_after) * raw["data"]}
     total_o = sum(overlappable.values())
     share = {k: v / total_o if total_o else 0.0 for k, v in overlappable.items()}
     comm_s = dict.fromkeys(AXES, 0.0)
     comm_s.update({k: exposed * share[k] for k in raw})
     if at_end:
         comm_s["data"] = raw["data"]
+    comm_s["data"] += gather_after * raw["data"]
     compute = microbatches * float(table.compute_time.sum())
     comm_s["tensor"] = microbatches * float((table.time - table.compute_time).sum())  # critical
     step = compute + sum(comm_s.values())

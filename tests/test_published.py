@@ -41,6 +41,8 @@ def test_chosen_plan_fits_and_is_no_slower(evaluation):
 
 def test_published_step_time(evaluation, request):
     run = evaluation.run
+    if run.precision != "bf16":
+        pytest.skip(f"published at {run.precision}: jaxmp predicts bfloat16 step times")
     if run.xfail_time:
         request.applymarker(pytest.mark.xfail(strict=True, reason=run.xfail_time))
     assert abs(evaluation.error) <= TOLERANCE, (run.name, evaluation.error)

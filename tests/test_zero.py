@@ -185,3 +185,63 @@ def test_argument_bytes_fall_as_predicted_and_collective_bytes_stay(mesh):
     assert arg1 <= 0.6 * arg0
     assert abs((arg0 - arg1) - (pred0 - pred1)) <= 0.1 * (pred0 - pred1)
     assert abs(coll1 - coll0) <= 0.02 * coll0
+
+
+# ---------------------------------------------------------------- the planner
+
+def test_auto_shards_the_optimizer_state_only_when_the_replicated_one_does_not_fit():
+    from jaxmp.devices import DeviceProfile
+    from jaxmp.plan import plan
+    from jaxmp.recipes.gpt import gpt_costs
+
+    cost = gpt_costs(jaxmp.load_config(None, GPT))
+    cpu = DeviceProfile("tiny", 1e12, 64 * 2**30, 1e11, 1e10, devices_per_host=8,
+                        usable_fraction=1.0)
+    roomy = plan(cost, 8, cpu, fixed={"data": 8})
+    assert roomy.layout.optimizer_sharding == "none"
+    replicated = roomy.predicted
+    sharded = plan(cost, 8, cpu, fixed={"data": 8}, optimizer_sharding="data").predicted
+    assert sharded.optimizer_bytes == pytest.approx(replicated.optimizer_bytes / 8)
+    assert sharded.comm_bytes["data"] == pytest.approx(replicated.comm_bytes["data"])
+    tight = DeviceProfile("tiny", 1e12, (sharded.per_device_bytes +
+                                         replicated.per_device_bytes) / 2, 1e11, 1e10,
+                          devices_per_host=8, usable_fraction=1.0)
+    p = plan(cost, 8, tight, fixed={"data": 8})
+    assert p.fits and p.layout.optimizer_sharding == "data" and "optimizer over data" in \
+        p.describe()
+    # configured "none": nothing fits, and the plan names the setting that would
+    p = plan(cost, 8, tight, fixed={"data": 8}, optimizer_sharding="none")
+    assert not p.fits and p.layout.optimizer_sharding == "none"
+    assert any("set train.optimizer_sharding='data'" in n for n in p.notes), p.notes
+    assert p.devices_needed is None
+
+
+def test_the_nemo_175b_layout_fits_only_with_the_optimizer_sharded():
+    from jaxmp.recipes.gpt import gpt_plan
+    from jaxmp.recipes.published import PUBLISHED_ZERO, run_config
+
+    run = next(r for r in PUBLISHED_ZERO if "175B" in r.name)
+    config = run_config(run, layout=True)
+    on = gpt_plan(config, run.devices, run.device, strict=True, find_devices_needed=False)
+    off = gpt_plan(jaxmp.config.replace(config, train={"optimizer_sharding": "none"}),
+                   run.devices, run.device, strict=True, find_devices_needed=False)
+    assert on.fits and on.layout.optimizer_sharding == "data"
+    assert not off.fits
+    d = on.mesh["data"]
+    assert on.predicted.optimizer_bytes == pytest.approx(off.predicted.optimizer_bytes / d)
+    assert on.predicted.comm_bytes["data"] == pytest.approx(off.predicted.comm_bytes["data"])
+
+
+def test_nothing_fitting_under_fixed_settings_names_the_setting_that_would():
+    """GPT-3 175B on 1024 H100 with model.remat fixed at "none": no device count helps; the
+    plan says which setting makes a plan fit, and that plan."""
+    from jaxmp.config import REMAT_POLICY_NAMES
+    from jaxmp.recipes.gpt import gpt_plan
+    from jaxmp.recipes.published import GPT3_175B
+
+    config = jaxmp.load_config(None, [*GPT3_175B, "model.remat=none"])
+    p = gpt_plan(config, 1024, "H100", remats=REMAT_POLICY_NAMES, strict=True)
+    assert not p.fits and p.devices_needed is None
+    assert not any("nothing fits even on" in n for n in p.notes)
+    fix = [n for n in p.notes if n.startswith("nothing runnable fits")]
+    assert fix and "set model.remat=" in fix[0] and "fits at" in fix[0], p.notes

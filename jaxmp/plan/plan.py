@@ -199,14 +199,14 @@ def devices_needed(cost: ModelCost, n_devices: int, profile: DeviceProfile,
 
 
 def setting_that_fits(result: SearchResult) -> str | None:
-    """When nothing runnable fits: the fastest plan that fits once the settings it is blocked
-    by change, as ``"set model.remat='full': 16x4x16 (remat full, 8 mb) fits at 52 GiB,
+    """When nothing runnable fits: the plan that fits with the fewest settings changed (then
+    the fastest), as ``"set model.remat='full': 16x4x16 (remat full, 8 mb) fits at 52 GiB,
     13.4 s per step"`` (None: no setting on these devices makes one fit)."""
     fitting = [c for c in result.ranked
                if c.fits and all(b.startswith("needs ") and "=" in b for b in c.blockers)]
     if not fitting:
         return None
-    c = fitting[0]
+    c = min(fitting, key=lambda c: len(c.blockers))  # fewest settings changed, then fastest
     settings = " and ".join(b.removeprefix("needs ") for b in c.blockers)
     p = c.prediction
     return (f"nothing runnable fits under the fixed settings; set {settings}: "

@@ -53,6 +53,7 @@ class PublishedRun:
     usable_fraction: float = 0.95
     xfail_time: str = ""  # why the step time goal is known to miss (empty: it holds)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    precision: str = "bf16"  # of the published figure; jaxmp predicts bf16 (others: fit only)
 
 
 RUNS: tuple[PublishedRun, ...] = (
@@ -86,6 +87,41 @@ RUNS: tuple[PublishedRun, ...] = (
         notes=("torchtitan runs flash attention; jaxmp's GPT materialises the 8192^2 scores, "
                "which the memory prediction includes",)),
 )
+
+# NeMo's H100 table (NeMo 24.07, FP8): Megatron-Core with its distributed optimizer (Adam state
+# sharded over data), sequence parallelism and flash attention (Transformer Engine).
+_NEMO = ("NVIDIA NeMo docs/source/performance/performance_summary.md (container 24.07, "
+         "DGX-H100, FP8): distributed optimizer, sequence parallel, flash attention")
+
+
+def _tokens_step_s(batch: int, seq: int, tokens_per_gpu_s: float, gpus: int) -> float:
+    return batch * seq / (tokens_per_gpu_s * gpus)
+
+
+PUBLISHED_ZERO: tuple[PublishedRun, ...] = (
+    PublishedRun(
+        "NeMo GPT-3 175B", _NEMO, _GPT + (
+            "model.layers=96", "model.d_model=12288", "model.heads=96",
+            "model.vocab_size=50304", "data.seq_len=2048", "train.batch_size=256"),
+        "H100", 128,
+        {"mesh.data": 4, "mesh.stage": 8, "mesh.tensor": 4, "pipeline.schedule": "interleaved",
+         "pipeline.virtual_stages": 6, "train.microbatches": 64,
+         "train.optimizer_sharding": "data"},
+        _tokens_step_s(256, 2048, 726, 128), "726 tokens/s per GPU (782 TFLOP/s, FP8)",
+        precision="fp8"),
+    PublishedRun(
+        "NeMo Llama 2 70B", _NEMO, _GPT + (
+            "model.layers=80", "model.d_model=8192", "model.heads=64", "model.kv_heads=8",
+            "model.mlp_dim=28672", "model.activation=swiglu", "model.tie_embeddings=false",
+            "model.vocab_size=32000", "data.seq_len=4096", "train.batch_size=128"),
+        "H100", 64,
+        {"mesh.data": 4, "mesh.stage": 4, "mesh.tensor": 4, "pipeline.schedule": "interleaved",
+         "pipeline.virtual_stages": 20, "train.microbatches": 32,
+         "train.optimizer_sharding": "data"},
+        _tokens_step_s(128, 4096, 1707, 64), "1,707 tokens/s per GPU (759 TFLOP/s, FP8)",
+        precision="fp8"),
+)
+RUNS = RUNS + PUBLISHED_ZERO
 
 # The GPT-3 175B check: a plan on 1024 H100s that fits within JAX's default memory.
 GPT3_175B = _GPT + ("model.layers=96", "model.d_model=12288", "model.heads=96",

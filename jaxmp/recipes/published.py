@@ -94,32 +94,28 @@ _NEMO = ("NVIDIA NeMo docs/source/performance/performance_summary.md (container 
          "DGX-H100, FP8): distributed optimizer, sequence parallel, flash attention")
 
 
-def _tokens_step_s(batch: int, seq: int, tokens_per_gpu_s: float, gpus: int) -> float:
-    return batch * seq / (tokens_per_gpu_s * gpus)
+def _nemo(name: str, model: tuple[str, ...], batch: int, seq: int, gpus: int,
+          mesh: tuple[int, int, int], virtual: int, tokens_per_gpu_s: int,
+          tflops: int) -> PublishedRun:
+    """A row of NeMo's table: ``mesh`` = (data, stage, tensor), micro-batch 1."""
+    data, stage, tensor = mesh
+    return PublishedRun(
+        name, _NEMO, _GPT + model + (f"data.seq_len={seq}", f"train.batch_size={batch}"),
+        "H100", gpus,
+        {"mesh.data": data, "mesh.stage": stage, "mesh.tensor": tensor,
+         "pipeline.schedule": "interleaved", "pipeline.virtual_stages": virtual,
+         "train.microbatches": batch // data, "train.optimizer_sharding": "data"},
+        batch * seq / (tokens_per_gpu_s * gpus),
+        f"{tokens_per_gpu_s:,} tokens/s per GPU ({tflops} TFLOP/s, FP8)", precision="fp8")
 
 
 PUBLISHED_ZERO: tuple[PublishedRun, ...] = (
-    PublishedRun(
-        "NeMo GPT-3 175B", _NEMO, _GPT + (
-            "model.layers=96", "model.d_model=12288", "model.heads=96",
-            "model.vocab_size=50304", "data.seq_len=2048", "train.batch_size=256"),
-        "H100", 128,
-        {"mesh.data": 4, "mesh.stage": 8, "mesh.tensor": 4, "pipeline.schedule": "interleaved",
-         "pipeline.virtual_stages": 6, "train.microbatches": 64,
-         "train.optimizer_sharding": "data"},
-        _tokens_step_s(256, 2048, 726, 128), "726 tokens/s per GPU (782 TFLOP/s, FP8)",
-        precision="fp8"),
-    PublishedRun(
-        "NeMo Llama 2 70B", _NEMO, _GPT + (
-            "model.layers=80", "model.d_model=8192", "model.heads=64", "model.kv_heads=8",
-            "model.mlp_dim=28672", "model.activation=swiglu", "model.tie_embeddings=false",
-            "model.vocab_size=32000", "data.seq_len=4096", "train.batch_size=128"),
-        "H100", 64,
-        {"mesh.data": 4, "mesh.stage": 4, "mesh.tensor": 4, "pipeline.schedule": "interleaved",
-         "pipeline.virtual_stages": 20, "train.microbatches": 32,
-         "train.optimizer_sharding": "data"},
-        _tokens_step_s(128, 4096, 1707, 64), "1,707 tokens/s per GPU (759 TFLOP/s, FP8)",
-        precision="fp8"),
+    _nemo("NeMo GPT-3 175B", ("model.layers=96", "model.d_model=12288", "model.heads=96",
+                              "model.vocab_size=50304"), 256, 2048, 128, (4, 8, 4), 6, 726, 782),
+    _nemo("NeMo Llama 2 70B", (
+        "model.layers=80", "model.d_model=8192", "model.heads=64", "model.kv_heads=8",
+        "model.mlp_dim=28672", "model.activation=swiglu", "model.tie_embeddings=false",
+        "model.vocab_size=32000"), 128, 4096, 64, (4, 4, 4), 20, 1707, 759),
 )
 RUNS = RUNS + PUBLISHED_ZERO
 

@@ -26,7 +26,9 @@ def evaluation(request):
     return evaluate(request.param)
 
 
-def test_published_layout_fits(evaluation):
+def test_published_layout_fits(evaluation, request):
+    if evaluation.run.xfail_fit:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=evaluation.run.xfail_fit))
     g = evaluation.given
     assert g.fits, (evaluation.run.name, g.predicted.per_device_bytes)
     assert g.mesh == {a: int(evaluation.run.layout.get(f"mesh.{a}", 1))

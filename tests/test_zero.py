@@ -216,7 +216,9 @@ def test_auto_shards_the_optimizer_state_only_when_the_replicated_one_does_not_f
     assert p.devices_needed is None
 
 
-def test_the_nemo_175b_layout_fits_only_with_the_optimizer_sharded():
+def test_the_nemo_175b_layout_sheds_three_quarters_of_its_adam_state():
+    """NeMo's GPT-3 175B layout (data 4): the moments divide by 4, nothing else changes —
+    bytes on the wire included (it does not fit yet: jaxmp/recipes/published.py says why)."""
     from jaxmp.recipes.gpt import gpt_plan
     from jaxmp.recipes.published import PUBLISHED_ZERO, run_config
 
@@ -225,11 +227,12 @@ def test_the_nemo_175b_layout_fits_only_with_the_optimizer_sharded():
     on = gpt_plan(config, run.devices, run.device, strict=True, find_devices_needed=False)
     off = gpt_plan(jaxmp.config.replace(config, train={"optimizer_sharding": "none"}),
                    run.devices, run.device, strict=True, find_devices_needed=False)
-    assert on.fits and on.layout.optimizer_sharding == "data"
-    assert not off.fits
-    d = on.mesh["data"]
-    assert on.predicted.optimizer_bytes == pytest.approx(off.predicted.optimizer_bytes / d)
-    assert on.predicted.comm_bytes["data"] == pytest.approx(off.predicted.comm_bytes["data"])
+    assert on.layout.optimizer_sharding == "data" and off.layout.optimizer_sharding == "none"
+    d, a, b = on.mesh["data"], on.predicted, off.predicted
+    assert a.optimizer_bytes == pytest.approx(b.optimizer_bytes / d)
+    assert b.per_device_bytes - a.per_device_bytes == pytest.approx(
+        b.optimizer_bytes * (d - 1) / d)
+    assert a.comm_bytes["data"] == pytest.approx(b.comm_bytes["data"])
 
 
 def test_nothing_fitting_under_fixed_settings_names_the_setting_that_would():

@@ -121,9 +121,12 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
 
     # Parameters: the padded stack's rows and the shared (embedding, head) params on every stage.
     params = virtual * lmax * blk["param_local"] + k.shared
-    zero = zero_divisor(layout)  # the optimizer state and update sharded over data
-    opt = (virtual * lmax * blk["param_local"] * ctx.opt_ratio[ctx.span[0]] + k.shared_opt) / zero
-    grads = params + params / zero  # the stacked and shared gradients, the optimizer's update
+    # Optimizer state sharded over data divides it; the update, though sliced too, comes after
+    # the schedule has freed its buffers, so the peak (and this term) keeps two param-sized
+    # arrays either way (GPU-compiled: docs/benchmarks.md).
+    opt = (virtual * lmax * blk["param_local"] * ctx.opt_ratio[ctx.span[0]] + k.shared_opt) \
+        / zero_divisor(layout)
+    grads = 2 * params  # the stacked and shared gradients, then the optimizer's update
 
     # Buffers, as wide as the busiest device needs (plus the spare slot idle ticks write).
     slots = buffer_slots(schedule)

@@ -54,6 +54,7 @@ class PublishedRun:
     xfail_time: str = ""  # why the step time goal is known to miss (empty: it holds)
     notes: tuple[str, ...] = field(default_factory=tuple)
     precision: str = "bf16"  # of the published figure; jaxmp predicts bf16 (others: fit only)
+    xfail_fit: str = ""  # why the published layout is known not to fit yet (empty: it fits)
 
 
 RUNS: tuple[PublishedRun, ...] = (
@@ -96,7 +97,7 @@ _NEMO = ("NVIDIA NeMo docs/source/performance/performance_summary.md (container 
 
 def _nemo(name: str, model: tuple[str, ...], batch: int, seq: int, gpus: int,
           mesh: tuple[int, int, int], virtual: int, tokens_per_gpu_s: int,
-          tflops: int) -> PublishedRun:
+          tflops: int, xfail_fit: str = "") -> PublishedRun:
     """A row of NeMo's table: ``mesh`` = (data, stage, tensor), micro-batch 1."""
     data, stage, tensor = mesh
     return PublishedRun(
@@ -106,12 +107,17 @@ def _nemo(name: str, model: tuple[str, ...], batch: int, seq: int, gpus: int,
          "pipeline.schedule": "interleaved", "pipeline.virtual_stages": virtual,
          "train.microbatches": batch // data, "train.optimizer_sharding": "data"},
         batch * seq / (tokens_per_gpu_s * gpus),
-        f"{tokens_per_gpu_s:,} tokens/s per GPU ({tflops} TFLOP/s, FP8)", precision="fp8")
+        f"{tokens_per_gpu_s:,} tokens/s per GPU ({tflops} TFLOP/s, FP8)", precision="fp8",
+        xfail_fit=xfail_fit)
 
 
 PUBLISHED_ZERO: tuple[PublishedRun, ...] = (
     _nemo("NeMo GPT-3 175B", ("model.layers=96", "model.d_model=12288", "model.heads=96",
-                              "model.vocab_size=50304"), 256, 2048, 128, (4, 8, 4), 6, 726, 782),
+                              "model.vocab_size=50304"), 256, 2048, 128, (4, 8, 4), 6, 726, 782,
+          xfail_fit="84.0 GiB of 76.0 with the Adam moments sharded over data (115.3 without): "
+                    "jaxmp keeps the float32 params replicated and two param-sized gradient "
+                    "buffers (41.7 GiB) where Megatron keeps bf16 params, float32 gradients "
+                    "and a data-sharded float32 master; sequence parallelism is not built"),
     _nemo("NeMo Llama 2 70B", (
         "model.layers=80", "model.d_model=8192", "model.heads=64", "model.kv_heads=8",
         "model.mlp_dim=28672", "model.activation=swiglu", "model.tie_embeddings=false",

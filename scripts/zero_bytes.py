@@ -4,6 +4,7 @@ compiled number: docs/benchmarks.md §"Optimizer state sharded over data".
 
     python scripts/zero_bytes.py cpu     # the test GPT on 8 simulated CPU devices
     python scripts/zero_bytes.py gpu     # a 175B-wide slice on 32 deviceless H100s (CUDA plugin)
+    python scripts/zero_bytes.py time    # step time on 8 CPU devices, off and on interleaved
 
 The GPU case compiles the Trainer's own step with XLA's GPU compiler for deviceless H100s
 (``jaxmp.topology.gpu_topology``); its collective bytes are read from the compiled HLO.
@@ -53,7 +54,53 @@ def _row(label: str, trainer, measured, seconds: float) -> str:
             f"{seconds:.0f} s |")
 
 
+TIME_GPT = ["model.layers=4", "model.d_model=256", "model.heads=8", "model.vocab_size=1024",
+            "data.seq_len=128", "train.batch_size=32", "checkpoint.enabled=false",
+            "data.source=synthetic", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1",
+            "mesh.stage=1"]
+
+
+def step_times(rounds: int = 7, steps: int = 5) -> int:
+    """Seconds per step, off and on, in alternating rounds (A B A B ...): median and range."""
+    import statistics
+
+    import jax
+    import jaxmp
+    from jaxmp.recipes.gpt import gpt_trainer, lm_batches
+    from jaxmp.train.state import init_state
+
+    runs = {}
+    for zero in ("none", "data"):
+        config = jaxmp.load_config(None, TIME_GPT + [f"train.optimizer_sharding={zero}"])
+        t = gpt_trainer(config, "unused")
+        batch = t._to_global(next(iter(lm_batches(config))))
+        state = init_state(t.layout, t.model_fn, t.tx, 0)
+        runs[zero] = [t.compile(batch), state, batch, []]
+    for _ in range(rounds):
+        for zero, run in runs.items():
+            step, state, batch, times = run
+            state, m = step(state, batch)  # warm
+            jax.block_until_ready(m["loss"])
+            start = time.perf_counter()
+            for _ in range(steps):
+                state, m = step(state, batch)
+            jax.block_until_ready(m["loss"])
+            times.append((time.perf_counter() - start) / steps)
+            run[1] = state
+    med = {z: statistics.median(r[3]) for z, r in runs.items()}
+    for zero, run in runs.items():
+        print(f"| {zero} | {med[zero] * 1e3:.1f} ms | {min(run[3]) * 1e3:.1f}-"
+              f"{max(run[3]) * 1e3:.1f} ms |")
+    print(f"on / off: {med['data'] / med['none']:.3f}")
+    return 0
+
+
 def main(where: str) -> int:
+    if where == "time":
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_force_host_platform_device_count=8")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        return step_times()
     if where == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

@@ -114,7 +114,7 @@ class TrainConfig(Section):
     microbatches: how many pieces one step's batch is cut into — accumulated gradients without
     pipeline stages, the pipeline's microbatches with them; "auto": the planner's choice (1 when
     nothing needs more). optimizer_sharding: "data" shards the optimizer state over the data
-    axis as well (ZeRO-1: docs/parallelism.md), "none" keeps it replicated there, "auto" lets
+    axis as well (ZeRO-1: docs/architecture.md), "none" keeps it replicated there, "auto" lets
     the planner shard it when the replicated state does not fit. max_skipped: a step with a non-finite loss or gradient changes nothing
     (it is skipped and counted); this many in a row stop the run (exit 1). See
     :mod:`jaxmp.train.guard`.

@@ -18,7 +18,7 @@ optimizer, MaxText's ``shard_optimizer_over_data`` and PyTorch FSDP's ``SHARD_GR
 full replica for the forward and backward, the optimizer sharded). jaxmp stores the params in
 ``model.param_dtype`` and casts them to the compute dtype in the forward, so with the default
 float32 params the master copy *is* the params and stays replicated over data; what is divided
-is the optimizer's state and its update (docs/parallelism.md compares the byte counts).
+is the optimizer's state and its update (docs/architecture.md compares the byte counts).
 
 Checkpoints store logical names, not shardings, so a run saved with it restores without it
 (and on another data size) with identical values: only the target shardings differ.

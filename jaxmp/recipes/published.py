@@ -102,15 +102,17 @@ _NEMO = ("NVIDIA NeMo docs/source/performance/performance_summary.md (container 
 
 def _nemo(name: str, model: tuple[str, ...], batch: int, seq: int, gpus: int,
           mesh: tuple[int, int, int], virtual: int, tokens_per_gpu_s: int,
-          tflops: int, xfail_fit: str = "") -> PublishedRun:
-    """A row of NeMo's table: ``mesh`` = (data, stage, tensor), micro-batch 1."""
+          tflops: int, xfail_fit: str = "", micro: int = 1) -> PublishedRun:
+    """A row of NeMo's table: ``mesh`` = (data, stage, tensor), ``micro`` sequences per
+    micro-batch."""
     data, stage, tensor = mesh
+    schedule = {"pipeline.schedule": "interleaved", "pipeline.virtual_stages": virtual} \
+        if stage > 1 else {}
     return PublishedRun(
         name, _NEMO, _GPT + model + (f"data.seq_len={seq}", f"train.batch_size={batch}"),
         "H100", gpus,
-        {"mesh.data": data, "mesh.stage": stage, "mesh.tensor": tensor,
-         "pipeline.schedule": "interleaved", "pipeline.virtual_stages": virtual,
-         "train.microbatches": batch // data, "train.optimizer_sharding": "data"},
+        {"mesh.data": data, "mesh.stage": stage, "mesh.tensor": tensor, **schedule,
+         "train.microbatches": batch // (data * micro), "train.optimizer_sharding": "data"},
         batch * seq / (tokens_per_gpu_s * gpus),
         f"{tokens_per_gpu_s:,} tokens/s per GPU ({tflops} TFLOP/s, FP8)", precision="fp8",
         xfail_fit=xfail_fit)
@@ -127,6 +129,16 @@ PUBLISHED_ZERO: tuple[PublishedRun, ...] = (
         "model.layers=80", "model.d_model=8192", "model.heads=64", "model.kv_heads=8",
         "model.mlp_dim=28672", "model.activation=swiglu", "model.tie_embeddings=false",
         "model.vocab_size=32000"), 128, 4096, 64, (4, 4, 4), 20, 1707, 759),
+    _nemo("NeMo Llama 2 13B", (
+        "model.layers=40", "model.d_model=5120", "model.heads=40", "model.mlp_dim=13824",
+        "model.activation=swiglu", "model.tie_embeddings=false", "model.vocab_size=32000"),
+        128, 4096, 16, (4, 4, 1), 10, 8646, 754),
+    _nemo("NeMo GPT-3 20B", ("model.layers=44", "model.d_model=6144", "model.heads=48",
+                             "model.vocab_size=50304"), 256, 2048, 64, (32, 1, 2), 1, 5851, 750,
+          micro=2, xfail_fit="121.7 GiB of 76.0 with the Adam moments sharded over data (231.3 "
+                             "without): float32 params (37.7 GiB at tensor 2), the gradient and "
+                             "the accumulation's running sum (75.4 GiB) stay replicated over data "
+                             "where Megatron keeps bf16 params and float32 gradients"),
 )
 RUNS = RUNS + PUBLISHED_ZERO
 

@@ -27,7 +27,9 @@ def evaluation(request):
     return evaluate(request.param)
 
 
-def test_published_layout_fits(evaluation):
+def test_published_layout_fits(evaluation, request):
+    if evaluation.run.xfail_fit:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=evaluation.run.xfail_fit))
     g = evaluation.given
     assert g.fits, (evaluation.run.name, g.predicted.per_device_bytes)
     assert g.mesh == {a: int(evaluation.run.layout.get(f"mesh.{a}", 1))
@@ -42,6 +44,8 @@ def test_chosen_plan_fits_and_is_no_slower(evaluation):
 
 def test_published_step_time(evaluation, request):
     run = evaluation.run
+    if run.precision != "bf16":
+        pytest.skip(f"published at {run.precision}: jaxmp predicts bfloat16 step times")
     if run.xfail_time:
         request.applymarker(pytest.mark.xfail(strict=True, reason=run.xfail_time))
     assert abs(evaluation.error) <= TOLERANCE, (run.name, evaluation.error)

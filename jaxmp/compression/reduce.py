@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmp import sharding
 from jaxmp.config import GRAD_COMPRESSIONS
 from jaxmp.compression.codecs import DATA, padded_length, powersgd, two_phase_sum
+from jaxmp.sharding.optimizer import data_dim
 
 KINDS = GRAD_COMPRESSIONS
 STATE_KEY = "grad_compression"
@@ -234,10 +235,17 @@ class Reducer:
 
     ``params``: the abstract params (names and shapes), ``param_shardings`` their shardings.
     Call it inside the step: ``grads, extra = reducer(stacked, state.extra)``.
+
+    ``scatter`` (optimizer state sharded over data, :mod:`jaxmp.train.zero`): each device
+    keeps only its data slice of the reduced gradient — uncompressed, the all-reduce becomes
+    a ``psum_scatter`` (a reduce-scatter: half the bytes; the params' all-gather after the
+    update sends the other half). The encoded reductions (bfloat16, int8: already a
+    reduce-scatter and an all-gather of the encoded chunks; PowerSGD: all-reduces of its
+    factors) reduce whole and the step slices the result locally.
     """
 
     def __init__(self, comp: Compression, mesh: Mesh, params: Any, param_shardings: Any,
-                 path_rules: Sequence | None = None):
+                 path_rules: Sequence | None = None, scatter: bool = False):
         if comp.kind not in KINDS:
             raise ValueError(f"unknown gradient compression {comp.kind!r}")
         self.comp, self.mesh = comp, mesh
@@ -249,6 +257,15 @@ class Reducer:
                       for s, leaf in zip(jax.tree.leaves(param_shardings), leaves, strict=True)]
         self.views = [matrix_view(leaf.shape, leaf.names, comp.rank)
                       if comp.kind == "powersgd" else None for leaf in leaves]
+        sizes = {str(k): int(v) for k, v in mesh.shape.items()}
+        self.scatter = [data_dim(P(*e), shape, sizes) if scatter and comp.kind == "none"
+                        else None for e, shape in zip(self.specs, self.shapes, strict=True)]
+
+    def _out_spec(self, i: int) -> P:
+        e, d = list(self.specs[i]), self.scatter[i]
+        if d is not None:
+            e[d] = (*_axes((e[d],)), DATA)
+        return P(*e)
 
     # -- specs of the fully manual shard_map --------------------------------------------------
     def _q_spec(self, i: int) -> P:
@@ -272,7 +289,8 @@ class Reducer:
         state_specs = self._state_specs(arrays)
         run = jax.shard_map(self._local, mesh=self.mesh,
                             in_specs=([P(DATA, *e) for e in self.specs], state_specs),
-                            out_specs=([P(*e) for e in self.specs], state_specs),
+                            out_specs=([self._out_spec(i) for i in range(len(self.specs))],
+                                       state_specs),
                             check_vma=False)
         reduced, new = run(flat, arrays)
         if variables:
@@ -286,7 +304,9 @@ class Reducer:
         grads = [g[0] for g in grads]
         kind = self.comp.kind
         if kind == "none":
-            return [jax.lax.psum(g, DATA) for g in grads], state
+            return [jax.lax.psum(g, DATA) if d is None else
+                    jax.lax.psum_scatter(g, DATA, scatter_dimension=d, tiled=True)
+                    for g, d in zip(grads, self.scatter, strict=True)], state
         if kind == "powersgd":
             return self._powersgd(grads, state)
         return self._two_phase(grads, state)

@@ -10,13 +10,15 @@ recipe (:mod:`jaxmp.recipes.gpt_config`); ``jaxmp.load_config`` loads that schem
 
 from jaxmp.config.fields import ConfigError, Section, bounded, require
 from jaxmp.config.io import config_to_dict, config_to_toml, load, parse_override, replace
-from jaxmp.config.sections import (ATTENTION_KINDS, BALANCES, GRAD_COMPRESSIONS, MESH_AXES, REMAT_POLICY_NAMES,
+from jaxmp.config.sections import (ATTENTION_KINDS, BALANCES, GRAD_COMPRESSIONS, MESH_AXES, OPTIMIZER_SHARDINGS,
+                                   REMAT_POLICY_NAMES,
                                    RENAMED, SCHEDULES, WEIGHT_GATHERS, CheckpointConfig,
                                    CompressionConfig, DeviceConfig, LoggingConfig, MeshConfig,
                                    OptimizerConfig, PipelineConfig, TrainConfig, TrainerConfig,
                                    XlaConfig, section_types)
 
-__all__ = ["ATTENTION_KINDS", "BALANCES", "GRAD_COMPRESSIONS", "MESH_AXES", "REMAT_POLICY_NAMES",
+__all__ = ["ATTENTION_KINDS", "BALANCES", "GRAD_COMPRESSIONS", "MESH_AXES", "OPTIMIZER_SHARDINGS",
+           "REMAT_POLICY_NAMES",
            "RENAMED", "SCHEDULES", "WEIGHT_GATHERS", "CheckpointConfig", "CompressionConfig",
            "ConfigError", "DeviceConfig", "LoggingConfig", "MeshConfig", "OptimizerConfig",
            "PipelineConfig", "Section", "TrainConfig", "TrainerConfig", "XlaConfig", "bounded",

@@ -31,12 +31,14 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Balance = Literal["flops", "layers"]
 GradCompression = Literal["none", "bfloat16", "int8", "powersgd"]
 WeightGather = Literal["auto", "param", "bfloat16", "int8"]
+OptimizerSharding = Literal["auto", "none", "data"]
 REMAT_POLICY_NAMES: tuple[str, ...] = get_args(RematPolicy)
 ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 BALANCES: tuple[str, ...] = get_args(Balance)
 GRAD_COMPRESSIONS: tuple[str, ...] = get_args(GradCompression)
 WEIGHT_GATHERS: tuple[str, ...] = get_args(WeightGather)
+OPTIMIZER_SHARDINGS: tuple[str, ...] = get_args(OptimizerSharding)
 
 # Renamed keys: ``old -> (new, value renames)``. Outside scripts and saved run configs use the
 # old names, so they keep working; each use prints one deprecation line naming the new key.
@@ -128,6 +130,8 @@ class TrainConfig(Section):
     eval_every: int = bounded(100, ge=0)  # steps between evaluations; 0 = no evaluation
     eval_batches: int = bounded(4, ge=1)  # batches of held-out data per evaluation
     max_skipped: int = bounded(5, ge=1)  # consecutive non-finite steps skipped before stopping
+    # Adam state sharded over data too (ZeRO-1, jaxmp.train.zero); "auto": when it makes a fit
+    optimizer_sharding: OptimizerSharding = "auto"
 
     def _validate(self) -> None:
         m = self.microbatches

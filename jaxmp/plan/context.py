@@ -27,7 +27,8 @@ from jaxmp.devices import DeviceProfile
 from jaxmp.mesh import AXES
 from jaxmp.pipeline.footprint import fold, stack_span
 from jaxmp.pipeline.stages import StageSplit, split_layers
-from jaxmp.plan.layout import Layout, effective_compression, mesh_items, reduction
+from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
+                               reduction)
 
 STEP_STATE_BYTES = 4  # the step counter of the train state
 
@@ -348,9 +349,10 @@ class Context:
         return self.cached(("split", remat, stages, virtual), make)
 
     def layout(self, sizes: Mapping[str, int], remat: str, microbatches: int,
-               schedule: str = "", virtual: int = 1) -> Layout:
+               schedule: str = "", virtual: int = 1, optimizer: str = "none") -> Layout:
         """The complete :class:`~jaxmp.plan.layout.Layout` of one candidate: its stage split,
-        data-reduction decision, gather dtype and compression derived here, once."""
+        data-reduction decision, gather dtype and compression derived here, once;
+        ``optimizer``: the optimizer-state sharding tried (``"none"`` without a data axis)."""
         stages = int(sizes.get("stage", 1))
         compression = effective_compression(self.compression, int(sizes.get("data", 1)))
         wire, reduce = self.wire_dtypes(int(sizes.get("fsdp", 1)))
@@ -358,7 +360,9 @@ class Context:
                       virtual if stages > 1 else 1,
                       self.split(remat, stages, virtual) if stages > 1 else None,
                       reduction(sizes, compression, microbatches), wire, compression,
-                      reduce_dtype=reduce)
+                      reduce_dtype=reduce,
+                      optimizer_sharding=optimizer_sharding(optimizer,
+                                                            int(sizes.get("data", 1))))
 
     def outside_stack(self, fsdp: int, tensor: int) -> tuple[float, float]:
         """Parameter and optimizer bytes per device of the layers outside the layer stack
@@ -371,6 +375,12 @@ class Context:
             return float(own[outside].sum()), float((own * self.opt_ratio)[outside].sum())
 
         return self.cached(("outside", fsdp, tensor), sums)
+
+
+def zero_divisor(layout: Layout) -> int:
+    """What the optimizer state and its update are divided by beyond the params' sharding:
+    ``data`` when it is sharded over data (:mod:`jaxmp.train.zero`), else 1."""
+    return layout.sizes.get("data", 1) if layout.optimizer_sharding == "data" else 1
 
 
 def _saved_divisor(tdims: frozenset[int], tensor: int):

@@ -42,7 +42,9 @@ class Layout:
     data-axis reduction sends (kind ``"none"`` without a data axis). ``attention`` is the
     attention kernel the model is built with, decided for the platform the run targets
     (``"xla"`` | ``"cudnn"``; ``""``: not the plan's to decide — a model that calls its
-    attention its own way).
+    attention its own way). ``optimizer_sharding`` is ``"data"`` when the optimizer state is
+    sharded over the data axis as well (ZeRO-1, :mod:`jaxmp.train.zero`; only with
+    ``data > 1``), else ``"none"``.
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -56,6 +58,7 @@ class Layout:
     compression: Compression = field(default_factory=Compression)
     attention: str = ""
     reduce_dtype: str = "param"
+    optimizer_sharding: str = "none"
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -103,3 +106,12 @@ def effective_compression(compression: Compression, data: int) -> Compression:
     """What the data-axis reduction sends: nothing to compress without a data axis (and
     ``none`` carries no settings)."""
     return compression if data > 1 and compression.kind != "none" else Compression()
+
+
+def optimizer_sharding(configured: str, data: int, auto: str = "none") -> str:
+    """The optimizer-state decision of a layout with ``data`` replicas: the configured
+    ``train.optimizer_sharding``, ``auto`` for ``"auto"`` (the search tries both), and
+    ``"none"`` whenever there is no data axis to shard over."""
+    if data <= 1:
+        return "none"
+    return auto if configured == "auto" else configured

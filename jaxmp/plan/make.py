@@ -41,7 +41,8 @@ from jaxmp.models.attention import AttentionChoice
 from jaxmp.pipeline.footprint import stack_span
 from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import split_layers
-from jaxmp.plan.layout import Layout, effective_compression, mesh_items, reduction
+from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
+                               reduction)
 from jaxmp.plan.plan import Plan, plan
 from jaxmp.plan.search import PipelineOptions
 
@@ -177,7 +178,8 @@ def make_plan(config: TrainerConfig, cost: ModelCost | None, n_devices: int, *,
                   pipeline=PipelineOptions(pc.schedule, pc.virtual_stages, runnable=pipeline),
                   balance=pc.balance, compression=compression,
                   weights=config.compression.weights, compute_dtype=compute_dtype,
-                  find_devices_needed=find_devices_needed)
+                  find_devices_needed=find_devices_needed,
+                  optimizer_sharding=config.train.optimizer_sharding)
     if result.layout.split is not None and stack_blocks is not None and \
             result.layout.split.n_blocks != stack_blocks:
         raise ConfigError(f"the model's layer stack has {stack_blocks} blocks but its costs "
@@ -219,7 +221,9 @@ def _from_config(config: TrainerConfig, sizes: dict[str, int], rules: tuple,
     wire = gather_dtype(config.compression.weights, compute_dtype, sizes["fsdp"])
     layout = Layout(mesh_items(sizes), remat, microbatches, kind if stages > 1 else "",
                     virtual if stages > 1 else 1, split, reduction(sizes, comp, microbatches),
-                    wire, comp, reduce_dtype=reduce_dtype(wire, compute_dtype))
+                    wire, comp, reduce_dtype=reduce_dtype(wire, compute_dtype),
+                    optimizer_sharding=optimizer_sharding(config.train.optimizer_sharding,
+                                                          sizes["data"]))
     if stages > 1:
         Schedule(layout.schedule, stages, microbatches, layout.virtual_stages)  # validates
     return Plan(layout, predicted=None, fits=None, runnable=True, rules=rules,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxmp import sharding
-from jaxmp._util.fmt import fmt_bytes, mesh_str
+from jaxmp._util.fmt import fmt_bytes, fmt_time, mesh_str
 from jaxmp.compression.reduce import Compression
 from jaxmp.cost import ModelCost
 from jaxmp.devices import DeviceProfile
@@ -134,7 +134,8 @@ def _alternative(c: Candidate, best: Candidate, limit: float) -> dict[str, Any]:
     p = c.prediction
     return {"mesh": c.mesh, "stages": [list(s) for s in p.stages], "remat": c.layout.remat,
             "microbatches": c.layout.microbatches, "schedule": c.layout.schedule,
-            "virtual_stages": c.layout.virtual_stages, "settings": describe(c.layout),
+            "virtual_stages": c.layout.virtual_stages,
+            "optimizer_sharding": c.layout.optimizer_sharding, "settings": describe(c.layout),
             "fits": c.fits, "runnable": c.runnable,
             "predicted": {"per_device_bytes": p.per_device_bytes,
                           "step_time_s": p.step_time_s, "flops_per_step": p.flops_per_step,
@@ -169,6 +170,7 @@ class SearchSettings:
     compression: Compression | None = None
     weights: str = "auto"
     compute_dtype: str | None = None
+    optimizer_sharding: str = "auto"
 
     def context(self, cost: ModelCost, n: int, profile: DeviceProfile) -> Context:
         return Context(cost, profile, n, self.rules, balance=self.balance,
@@ -178,7 +180,7 @@ class SearchSettings:
     def search(self, ctx: Context, fixed: Mapping[str, int] | None = None) -> SearchResult:
         try:
             return search(ctx, fixed, self.remats, self.microbatches, self.configured_remat,
-                          self.pipeline)
+                          self.pipeline, self.optimizer_sharding)
         except ValueError as e:
             raise PlanError(str(e)) from None
 
@@ -196,13 +198,30 @@ def devices_needed(cost: ModelCost, n_devices: int, profile: DeviceProfile,
     return None
 
 
+def setting_that_fits(result: SearchResult) -> str | None:
+    """When nothing runnable fits: the plan that fits with the fewest settings changed (then
+    the fastest), as ``"set model.remat='full': 16x4x16 (remat full, 8 mb) fits at 52 GiB,
+    13.4 s per step"`` (None: no setting on these devices makes one fit)."""
+    fitting = [c for c in result.ranked
+               if c.fits and all(b.startswith("needs ") and "=" in b for b in c.blockers)]
+    if not fitting:
+        return None
+    c = min(fitting, key=lambda c: len(c.blockers))  # fewest settings changed, then fastest
+    settings = " and ".join(b.removeprefix("needs ") for b in c.blockers)
+    p = c.prediction
+    return (f"nothing runnable fits under the fixed settings; set {settings}: "
+            f"{mesh_str(c.mesh)} ({describe(c.layout)}) fits at "
+            f"{fmt_bytes(p.per_device_bytes)} per device, {fmt_time(p.step_time_s)} per step")
+
+
 def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
          rules: Sequence | None = None, fixed: Mapping[str, int] | None = None,
          remats: Sequence[str] | None = None, microbatches: int | str = "auto",
          configured_remat: str | None = None, top: int = 8,
          pipeline: PipelineOptions | None = None, balance: str = "flops",
          compression: Compression | None = None, weights: str = "auto",
-         compute_dtype: str | None = None, find_devices_needed: bool = True) -> Plan:
+         compute_dtype: str | None = None, find_devices_needed: bool = True,
+         optimizer_sharding: str = "auto") -> Plan:
     """Plan ``cost`` (from :func:`jaxmp.cost.model_costs`) on ``n_devices`` of ``profile``:
     the search behind :func:`jaxmp.plan.make_plan`, which turns a run's config into these
     arguments.
@@ -212,7 +231,11 @@ def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
     (``"auto"`` / None: the search chooses; other values are ranked but marked not runnable);
     ``pipeline`` the configured pipeline settings and whether the trainer can run stages;
     ``balance`` how the executor cuts stages; ``compression`` how the data-axis gradient
-    reduction is encoded; ``weights`` / ``compute_dtype`` what fsdp gathers move.
+    reduction is encoded; ``weights`` / ``compute_dtype`` what fsdp gathers move;
+    ``optimizer_sharding`` is ``train.optimizer_sharding``.
+
+    When no runnable plan fits but one the user's fixed settings rule out does, the plan says
+    which settings would make it fit (:func:`setting_that_fits`) rather than a device count.
     """
     if n_devices < 1:
         raise PlanError(f"the device count must be >= 1, got {n_devices}")
@@ -220,7 +243,7 @@ def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
     start = time.perf_counter()
     settings = SearchSettings(rules, fixed, tuple(remats) if remats else None, microbatches,
                               configured_remat, pipeline, balance, compression, weights,
-                              compute_dtype)
+                              compute_dtype, optimizer_sharding)
     ctx = settings.context(cost, n_devices, profile)
     result = settings.search(ctx, fixed)
     best, notes = choose(result)
@@ -230,7 +253,10 @@ def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
         raise PlanError(f"no layout of {n_devices} devices is possible with mesh constraints "
                         f"{dict(fixed or {})}: {why}")
     needed = None
-    if not best.fits and find_devices_needed:
+    fix = setting_that_fits(result) if not best.fits else None
+    if fix is not None:
+        notes.append(fix)
+    elif not best.fits and find_devices_needed:
         found = devices_needed(cost, n_devices, profile, settings)
         if found is None:
             notes.append(f"nothing fits even on {n_devices * 2**MAX_DOUBLINGS} x {profile.kind}")

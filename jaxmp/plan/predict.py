@@ -15,6 +15,9 @@ predicts the rest, where every device runs every layer:
   fsdp its gathered weights and their full-size gradients, in the wire dtypes) and the
   narrow copies of the fsdp shards the gathers read; or, after it, the float32 gradients and
   the optimizer's update. Accumulating microbatches adds a float32 running sum.
+* **optimizer state sharded over data** (``train.optimizer_sharding``): the Adam state and
+  the update divide by ``data``; the gradient reduction becomes a reduce-scatter and an
+  all-gather of the updated params (the same bytes), the all-gather exposed at the step's end.
 * **communication**, ring formulas, bytes each device sends: ``data`` all-reduces gradients,
   2(N-1)/N·S, once per microbatch (inside the accumulation loop, as the step compiles);
   ``fsdp`` all-gathers weights (forward, and again in the backward pass of a scanned stack or
@@ -32,7 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxmp.mesh import AXES
-from jaxmp.plan.context import STEP_STATE_BYTES, Context, LayerTable, Prediction, overlapped
+from jaxmp.plan.context import (STEP_STATE_BYTES, Context, LayerTable, Prediction, overlapped,
+                                 zero_divisor)
 from jaxmp.plan.layout import Layout
 from jaxmp.plan.pipeline import predict_pipeline
 
@@ -48,7 +52,8 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     table = ctx.table(layout.remat, data, fsdp, tensor, microbatches)
     own = np.where(ctx.tied, 0.0, table.param_local)  # tied weights: stored once
     params = float(own.sum())
-    opt = float((own * ctx.opt_ratio).sum())
+    zero = zero_divisor(layout)
+    opt = float((own * ctx.opt_ratio).sum()) / zero
     batch = cost.batch_bytes / (data * fsdp)
     args = params + opt + batch + STEP_STATE_BYTES
     phase = backward_phases(table, ctx.in_loop, ctx.tied)
@@ -56,12 +61,14 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     # Accumulating over microbatches keeps a float32 running sum beside every backward pass.
     accumulator = params if microbatches > 1 else 0.0
     # XLA's data-axis all-reduce of the gradients (no reducer) writes a reduced copy beside
-    # the device's own: one more parameter-sized buffer while the backward pass ends.
+    # the device's own: one more parameter-sized buffer while the backward pass ends (a data
+    # slice: the reduce-scatter's, when the optimizer state is sharded over data).
     if data > 1 and not layout.reduce_after_microbatches:
-        accumulator += params
+        accumulator += params / zero
     cast = float(table.cast.sum())
-    # After the backward pass: the float32 gradients and the optimizer's update.
-    update = 2 * params + accumulator
+    # After the backward pass: the float32 gradients and the optimizer's update (a data slice
+    # when the optimizer state is sharded over data).
+    update = params + params / zero + accumulator
     during = cast + accumulator + float(phase.total[k])
     name = cost.layers[k].group or cost.layers[k].name
     if during >= update:
@@ -85,19 +92,24 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     data_bytes = ctx.grad_bytes_factor * 2 * (data - 1) / data * table.param_local
     comm["data"] = float(data_bytes.sum())
     bw = ctx.link_bw(sizes)
+    # Sharded optimizer state: the updated slices are all-gathered after the update, with
+    # nothing left to hide behind — half the all-reduce's bytes move there.
+    gather_after = 0.5 if zero > 1 and not at_end else 0.0
     per_layer = microbatches * table.fsdp_bytes / bw["fsdp"] + (
-        0.0 if at_end else data_bytes / bw["data"])
+        0.0 if at_end else (1 - gather_after) * data_bytes / bw["data"])
     exposed, hidden = overlapped(per_layer, microbatches * table.compute_time,
                                  float(table.first_gather_bytes.max()) / bw["fsdp"],
                                  ctx.profile.overlap)
     raw = {"fsdp": comm["fsdp"] / bw["fsdp"], "data": comm["data"] / bw["data"]}
-    overlappable = {"fsdp": raw["fsdp"], "data": 0.0 if at_end else raw["data"]}
+    overlappable = {"fsdp": raw["fsdp"],
+                    "data": 0.0 if at_end else (1 - gather_after) * raw["data"]}
     total_o = sum(overlappable.values())
     share = {k: v / total_o if total_o else 0.0 for k, v in overlappable.items()}
     comm_s = dict.fromkeys(AXES, 0.0)
     comm_s.update({k: exposed * share[k] for k in raw})
     if at_end:
         comm_s["data"] = raw["data"]
+    comm_s["data"] += gather_after * raw["data"]
     compute = microbatches * float(table.compute_time.sum())
     comm_s["tensor"] = microbatches * float((table.time - table.compute_time).sum())  # critical
     step = compute + sum(comm_s.values())

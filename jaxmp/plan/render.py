@@ -29,16 +29,18 @@ def _layer_rows(layers: list[dict]) -> list[list[str]]:
     return rows
 
 
-def state_per_param(layers: list[dict]) -> str:
-    """Bytes of training state per parameter: stored params, optimizer state, gradients and
-    the update (``"20 B: params 4 + optimizer 8 + gradients 4 + update 4"``)."""
+def state_per_param(layers: list[dict], over: int = 1) -> str:
+    """Bytes of training state per parameter: stored params, optimizer state (``over``: the
+    data replicas it is sharded over), gradients and the update (``"20 B: params 4 +
+    optimizer 8 + gradients 4 + update 4"``)."""
     count = sum(lay["param_count"] for lay in layers)
     if not count:
         return "no parameters"
     params = sum(lay["param_bytes"] for lay in layers) / count
-    opt = sum(lay["optimizer_bytes"] for lay in layers) / count
+    opt = sum(lay["optimizer_bytes"] for lay in layers) / count / over
+    sharded = f" (sharded over data {over})" if over > 1 else ""
     return (f"{2 * params + opt + params:.3g} B per parameter: params {params:.3g} + optimizer "
-            f"{opt:.3g} + gradients {params:.3g} + update {params:.3g}")
+            f"{opt:.3g}{sharded} + gradients {params:.3g} + update {params:.3g}")
 
 
 def _parts(parts: dict[str, float]) -> str:
@@ -81,7 +83,8 @@ def render(plan: Plan, batch: str = "") -> str:
              "per-layer costs (whole global batch, remat none; a stack's blocks: per block):"]
     lines += table(["layer", "forward", "backward", "params", "saved", "output"],
                    _layer_rows(plan.layers), right={1, 2, 3, 4, 5})
-    lines += ["", f"training state: {state_per_param(plan.layers)}"]
+    over = plan.mesh.get("data", 1) if plan.layout.optimizer_sharding == "data" else 1
+    lines += ["", f"training state: {state_per_param(plan.layers, over)}"]
     status = "runnable" if plan.runnable else "not runnable: " + "; ".join(plan.blockers)
     fits = "fits" if plan.fits else "DOES NOT FIT"
     settings = plan.describe()

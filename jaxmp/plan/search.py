@@ -118,6 +118,19 @@ def schedules(stages: int, microbatches: int, blocks: int, opts: PipelineOptions
     return out
 
 
+def optimizer_choices(configured: str, data: int) -> list[tuple[str, bool]]:
+    """``(optimizer_sharding, runnable as configured)`` to try in order, for ``data``
+    replicas: the replicated state first; sharded over data next — it moves the same bytes
+    (a reduce-scatter and an all-gather for the all-reduce) but its all-gather ends the step,
+    so "auto" takes it only when the replicated state does not fit, and a configured "none"
+    still shows what it would need."""
+    if data <= 1:
+        return [("none", True)]
+    if configured == "data":
+        return [("data", True)]
+    return [("none", True), ("data", configured == "auto")]
+
+
 def _dropped(ctx: Context, sizes: dict[str, int], fixed: Mapping[str, int]) -> str:
     """Why the search skips this factorisation ("" if it does not). An axis the user fixed
     is never skipped for sharding nothing: the Trainer warns about it instead."""
@@ -141,10 +154,12 @@ def _dropped(ctx: Context, sizes: dict[str, int], fixed: Mapping[str, int]) -> s
 def search(ctx: Context, fixed: Mapping[str, int] | None = None,
            remats: Sequence[str] | None = None, microbatches: int | str = "auto",
            configured_remat: str | None = None,
-           pipeline: PipelineOptions | None = None) -> SearchResult:
+           pipeline: PipelineOptions | None = None,
+           optimizer_sharding: str = "auto") -> SearchResult:
     """Predict and rank every allowed layout for ``ctx``'s model and device count.
 
-    ``microbatches`` is ``train.microbatches`` (``"auto"``: searched)."""
+    ``microbatches`` is ``train.microbatches`` (``"auto"``: searched); ``optimizer_sharding``
+    is ``train.optimizer_sharding`` (see :func:`optimizer_choices`)."""
     cost, n = ctx.cost, ctx.n
     opts = pipeline or PipelineOptions()
     fixed = dict(fixed or {})
@@ -173,17 +188,22 @@ def search(ctx: Context, fixed: Mapping[str, int] | None = None,
             continue
         for count, kind, virtual, configured in layouts:
             for remat in remats:
-                layout = ctx.layout(sizes, remat, count, kind, virtual)
-                pred = predict(ctx, layout)
-                fits = bool(pred.per_device_bytes <= ctx.memory_limit)
                 remat_ok = configured_remat is None or remat == configured_remat
-                blockers = [] if remat_ok else [f"needs model.remat={remat!r}"]
-                if not configured:
-                    blockers.append(f"needs train.microbatches={count}")
-                if stages > 1 and not opts.runnable:
-                    blockers.append(opts.why_not)
-                result.ranked.append(Candidate(layout, pred, fits, tuple(blockers)))
-                if fits and remat_ok:
+                for zero, zero_ok in optimizer_choices(optimizer_sharding, sizes["data"]):
+                    layout = ctx.layout(sizes, remat, count, kind, virtual, zero)
+                    pred = predict(ctx, layout)
+                    fits = bool(pred.per_device_bytes <= ctx.memory_limit)
+                    blockers = [] if remat_ok else [f"needs model.remat={remat!r}"]
+                    if not zero_ok:
+                        blockers.append(f"needs train.optimizer_sharding={zero!r}")
+                    if not configured:
+                        blockers.append(f"needs train.microbatches={count}")
+                    if stages > 1 and not opts.runnable:
+                        blockers.append(opts.why_not)
+                    result.ranked.append(Candidate(layout, pred, fits, tuple(blockers)))
+                    if fits:  # sharding the optimizer state more saves nothing that matters
+                        break
+                if result.ranked[-1].fits and remat_ok:
                     break
     # Fitting first, then fastest; on a tie the fewer microbatches (larger matmuls, a simpler
     # program), then the less memory.
@@ -215,6 +235,8 @@ def describe(layout: Layout) -> str:
         parts.append(layout.schedule + (f" x{layout.virtual_stages}"
                                         if layout.virtual_stages > 1 else ""))
     parts.append(f"{layout.microbatches} mb")
+    if layout.optimizer_sharding != "none":
+        parts.append(f"optimizer over {layout.optimizer_sharding}")
     return ", ".join(parts)
 
 

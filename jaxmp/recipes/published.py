@@ -40,6 +40,11 @@ def megatron_step_s(layers: int, d: int, batch: int, tflops: float, gpus: int,
     return flops / (gpus * tflops * 1e12)
 
 
+# Megatron-LM's 2021 runs replicated the Adam state over data (its distributed optimizer came
+# later): their published layouts say so.
+_NO_ZERO = {"train.optimizer_sharding": "none"}
+
+
 @dataclass(frozen=True, eq=False)  # hashed by identity: RUNS are constants
 class PublishedRun:
     name: str
@@ -53,6 +58,8 @@ class PublishedRun:
     usable_fraction: float = 0.95
     xfail_time: str = ""  # why the step time goal is known to miss (empty: it holds)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    precision: str = "bf16"  # of the published figure; jaxmp predicts bf16 (others: fit only)
+    xfail_fit: str = ""  # why the published layout is known not to fit yet (empty: it fits)
 
 
 RUNS: tuple[PublishedRun, ...] = (
@@ -61,11 +68,11 @@ RUNS: tuple[PublishedRun, ...] = (
         "microbatch 1)", _megatron(128, 25600, 160, 3072), "A100-80GB", 3072,
         {"mesh.data": 6, "mesh.stage": 64, "mesh.tensor": 8,
          "pipeline.schedule": "interleaved", "pipeline.virtual_stages": 2,
-         "train.microbatches": 512, "model.remat": "full"},
+         "train.microbatches": 512, "model.remat": "full", **_NO_ZERO},
         megatron_step_s(128, 25600, 3072, 163, 3072), "163 TFLOP/s per GPU (52 % of peak)"),
     PublishedRun(
         "Megatron-LM GPT 1.7B", "Narayanan et al., SC'21, Table 1", _megatron(24, 2304, 24, 512),
-        "A100-80GB", 32, {"mesh.data": 32, "model.remat": "full"},
+        "A100-80GB", 32, {"mesh.data": 32, "model.remat": "full", **_NO_ZERO},
         megatron_step_s(24, 2304, 512, 137, 32), "137 TFLOP/s per GPU (44 % of peak)",
         xfail_time="predicted 31 % fast: the A100 efficiency (0.60) is the large models'; "
                    "a 2304-wide model's matmuls and its memory-bound attention softmax "
@@ -73,7 +80,7 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         "Megatron-LM GPT 18.4B", "Narayanan et al., SC'21, Table 1",
         _megatron(40, 6144, 48, 1024), "A100-80GB", 256,
-        {"mesh.data": 32, "mesh.tensor": 8, "model.remat": "full"},
+        {"mesh.data": 32, "mesh.tensor": 8, "model.remat": "full", **_NO_ZERO},
         megatron_step_s(40, 6144, 1024, 135, 256), "135 TFLOP/s per GPU (43 % of peak)"),
     PublishedRun(
         "torchtitan Llama 3.1 8B", "torchtitan docs/performance.md, Table 1 (FSDP, local batch "
@@ -86,6 +93,54 @@ RUNS: tuple[PublishedRun, ...] = (
         notes=("torchtitan runs flash attention; jaxmp's GPT materialises the 8192^2 scores, "
                "which the memory prediction includes",)),
 )
+
+# NeMo's H100 table (NeMo 24.07, FP8): Megatron-Core with its distributed optimizer (Adam state
+# sharded over data), sequence parallelism and flash attention (Transformer Engine).
+_NEMO = ("NVIDIA NeMo docs/source/performance/performance_summary.md (container 24.07, "
+         "DGX-H100, FP8): distributed optimizer, sequence parallel, flash attention")
+
+
+def _nemo(name: str, model: tuple[str, ...], batch: int, seq: int, gpus: int,
+          mesh: tuple[int, int, int], virtual: int, tokens_per_gpu_s: int,
+          tflops: int, xfail_fit: str = "", micro: int = 1) -> PublishedRun:
+    """A row of NeMo's table: ``mesh`` = (data, stage, tensor), ``micro`` sequences per
+    micro-batch."""
+    data, stage, tensor = mesh
+    schedule = {"pipeline.schedule": "interleaved", "pipeline.virtual_stages": virtual} \
+        if stage > 1 else {}
+    return PublishedRun(
+        name, _NEMO, _GPT + model + (f"data.seq_len={seq}", f"train.batch_size={batch}"),
+        "H100", gpus,
+        {"mesh.data": data, "mesh.stage": stage, "mesh.tensor": tensor, **schedule,
+         "train.microbatches": batch // (data * micro), "train.optimizer_sharding": "data"},
+        batch * seq / (tokens_per_gpu_s * gpus),
+        f"{tokens_per_gpu_s:,} tokens/s per GPU ({tflops} TFLOP/s, FP8)", precision="fp8",
+        xfail_fit=xfail_fit)
+
+
+PUBLISHED_ZERO: tuple[PublishedRun, ...] = (
+    _nemo("NeMo GPT-3 175B", ("model.layers=96", "model.d_model=12288", "model.heads=96",
+                              "model.vocab_size=50304"), 256, 2048, 128, (4, 8, 4), 6, 726, 782,
+          xfail_fit="84.0 GiB of 76.0 with the Adam moments sharded over data (115.3 without): "
+                    "jaxmp keeps the float32 params replicated and two param-sized gradient "
+                    "buffers (41.7 GiB) where Megatron keeps bf16 params, float32 gradients "
+                    "and a data-sharded float32 master; sequence parallelism is not built"),
+    _nemo("NeMo Llama 2 70B", (
+        "model.layers=80", "model.d_model=8192", "model.heads=64", "model.kv_heads=8",
+        "model.mlp_dim=28672", "model.activation=swiglu", "model.tie_embeddings=false",
+        "model.vocab_size=32000"), 128, 4096, 64, (4, 4, 4), 20, 1707, 759),
+    _nemo("NeMo Llama 2 13B", (
+        "model.layers=40", "model.d_model=5120", "model.heads=40", "model.mlp_dim=13824",
+        "model.activation=swiglu", "model.tie_embeddings=false", "model.vocab_size=32000"),
+        128, 4096, 16, (4, 4, 1), 10, 8646, 754),
+    _nemo("NeMo GPT-3 20B", ("model.layers=44", "model.d_model=6144", "model.heads=48",
+                             "model.vocab_size=50304"), 256, 2048, 64, (32, 1, 2), 1, 5851, 750,
+          micro=2, xfail_fit="121.7 GiB of 76.0 with the Adam moments sharded over data (231.3 "
+                             "without): float32 params (37.7 GiB at tensor 2), the gradient and "
+                             "the accumulation's running sum (75.4 GiB) stay replicated over data "
+                             "where Megatron keeps bf16 params and float32 gradients"),
+)
+RUNS = RUNS + PUBLISHED_ZERO
 
 # The issue's GPT-3 175B check: a plan on 1024 H100s that fits within JAX's default memory.
 GPT3_175B = _GPT + ("model.layers=96", "model.d_model=12288", "model.heads=96",

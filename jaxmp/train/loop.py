@@ -35,7 +35,7 @@ from jaxmp.pipeline.chunk import PipelineSpec, stack_length, to_stages
 from jaxmp.pipeline.executor import PipelineExecutor
 from jaxmp.plan import Layout, Plan
 from jaxmp.plan.layout import mesh_items
-from jaxmp.train import checks, guard, peers, wire
+from jaxmp.train import checks, guard, peers, wire, zero
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
 from jaxmp.train.metrics import (MetricsWriter, Profiler, Progress, batch_tokens,
                                  memory_metrics, total_peak_flops)
@@ -147,6 +147,8 @@ class Trainer:
             functools.partial(to_stages, spec=pipeline, split=self.stages.split)
         self.layout = plan_state(model_fn, self.tx, self.mesh, self.rules, path_rules,
                                  self.extensions, transform)
+        if planned.optimizer_sharding == "data":  # Adam state cut over data too (ZeRO-1)
+            self.layout = zero.shard_state(self.layout)
         checks.warn_idle_axes(self.layout, self.rules, path_rules, say)
         self.reducer = wire.reducer(planned, self.mesh, self.layout, path_rules)
         self.executor = None if self.stages is None else PipelineExecutor(
@@ -179,7 +181,8 @@ class Trainer:
                       self.reducer is not None,
                       self.gather.wire if self.gather is not None else "param", comp,
                       self._attention,
-                      self.gather.reduce if self.gather is not None else "param")
+                      self.gather.reduce if self.gather is not None else "param",
+                      zero.built(self.layout))
 
     # -- the one train step -------------------------------------------------------------------
     def compile(self, batch: Any = None, warmup: bool = False) -> Any:
@@ -197,7 +200,8 @@ class Trainer:
         step = make_train_step(self.layout, self.loss_fn, self.tx, self.lr_schedule, batch,
                                self.accumulation, self.rules, self.config.train.seed,
                                grad_fn=self.grad_fn, gather=self.gather, reducer=reducer,
-                               guard=self.guard)
+                               guard=self.guard, zero=zero.ShardedUpdate.of(self.layout)
+                               if zero.built(self.layout) == "data" else None)
         return self._compile(step.lower(self.layout.abstract, batch))
 
     def _compile(self, lowered: Any) -> Any:

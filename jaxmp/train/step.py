@@ -31,6 +31,7 @@ from jaxmp.loss import LossFn, call_loss, split_loss
 from jaxmp.train.guard import NonFiniteGuard
 from jaxmp.train.pinning import pin_batch, pinned_layers
 from jaxmp.train.state import StateLayout, TrainState
+from jaxmp.train.zero import ShardedUpdate
 
 BATCH_NAMES = ("batch",)
 _TRAIN_STREAM, _EVAL_STREAM = 1, 2  # folded into the seed's key: never the init key
@@ -135,7 +136,8 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
                     rules: Sequence = sharding.DEFAULT_RULES, seed: int = 0,
                     grad_fn: Callable | None = None, reducer: Reducer | None = None,
                     gather: WeightGather | None = None,
-                    guard: NonFiniteGuard | None = None) -> Callable:
+                    guard: NonFiniteGuard | None = None,
+                    zero: ShardedUpdate | None = None) -> Callable:
     """Return the jitted ``step(state, batch) -> (state, metrics)`` with donated state.
 
     ``grad_fn`` replaces the plain gradient (e.g. the pipeline executor's, same contract; built
@@ -143,6 +145,8 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
     ``reducer``: gradients are computed per data replica and reduced over ``data`` once per
     step by it (:mod:`jaxmp.compression.reduce`); without one XLA reduces them where they arise.
     ``guard`` skips non-finite updates (its counters must be in the layout's ``extra``).
+    ``zero``: the optimizer runs on data slices (:mod:`jaxmp.train.zero`; the layout's
+    optimizer state must be sharded so: :func:`jaxmp.train.zero.shard_state`).
     """
     if reducer is None:
         grad_fn = grad_fn or make_grad_fn(layout, loss_fn, grad_accum, rules, gather)
@@ -157,8 +161,11 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
         extra = state.extra
         if reducer is not None:
             grads, extra = reducer(grads, extra)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        if zero is not None:  # optimizer state sharded over data (ZeRO-1)
+            params, opt_state, grads = zero(tx, grads, state.opt_state, state.params)
+        else:
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step), **aux}
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rest=rest,

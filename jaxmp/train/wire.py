@@ -39,7 +39,8 @@ def reducer(layout: Layout, mesh: Mesh, state: Any, path_rules: Sequence | None,
     comp = layout.compression.uncompressed() if warmup else layout.compression
     if comp.kind == "none" and layout.accumulation == 1 and layout.stages == 1:
         return None
-    return Reducer(comp, mesh, state.abstract.params, state.shardings.params, path_rules)
+    return Reducer(comp, mesh, state.abstract.params, state.shardings.params, path_rules,
+                   scatter=layout.optimizer_sharding == "data")
 
 
 def warmup_steps(layout: Layout) -> int:

@@ -27,6 +27,7 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Balance = Literal["flops", "layers"]
 GradCompression = Literal["none", "bfloat16", "int8", "powersgd"]
 WeightGather = Literal["auto", "param", "bfloat16", "int8"]
+SequenceParallel = bool | Literal["auto"]  # "auto": the planner's (on when tensor > 1 allows)
 REMAT_POLICY_NAMES: tuple[str, ...] = get_args(RematPolicy)
 ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
@@ -109,6 +110,9 @@ class OptimizerConfig(Section):
 class TrainConfig(Section):
     """Loop length and batch. batch_size is global, in sequences.
 
+    sequence_parallel: shard the activations between attention and the MLP (norms, residual
+    adds, dropout) along the sequence over ``tensor`` (Korthikanti et al. 2022); "auto": on
+    wherever tensor > 1 and the sequence divides by it, as the plan says.
     microbatches: how many pieces one step's batch is cut into — accumulated gradients without
     pipeline stages, the pipeline's microbatches with them; "auto": the planner's choice (1 when
     nothing needs more). max_skipped: a step with a non-finite loss or gradient changes nothing
@@ -124,6 +128,8 @@ class TrainConfig(Section):
     eval_every: int = bounded(100, ge=0)  # 0 = no evaluation
     eval_batches: int = bounded(4, ge=1)
     max_skipped: int = bounded(5, ge=1)  # consecutive non-finite steps skipped before stopping
+    # The residual stream's sequence dim sharded over tensor (jaxmp.sharding.sequence).
+    sequence_parallel: SequenceParallel = "auto"
 
     def _validate(self) -> None:
         m = self.microbatches

@@ -2,7 +2,7 @@
 
 :class:`Layout` holds every decision that shapes the compiled step — the mesh, the remat
 policy, the microbatches, the pipeline schedule and its stage split, whether the data-axis
-reduction leaves XLA's hands, the dtype fsdp gathers weights in, the gradient compression. It is
+reduction leaves XLA's hands, the dtype fsdp gathers weights in, the gradient compression, sequence parallelism. It is
 decided once (:func:`jaxmp.plan.make_plan`), built as is (:class:`jaxmp.Trainer`), read back
 from what was built (``Trainer.executed_layout()``) and compared field by field (the tests do,
 for every strategy ``jaxmp bench`` runs).
@@ -37,7 +37,8 @@ class Layout:
     pipeline's folded per-layer table (``pre``, each block, ``post``) into ``stages ×
     virtual_stages`` chunks. ``gather_dtype`` is what fsdp weight gathers move: ``"param"`` (as
     stored), ``"bfloat16"`` or ``"int8"``. ``compression`` is what the data-axis reduction
-    sends (kind ``"none"`` without a data axis).
+    sends (kind ``"none"`` without a data axis). ``sequence_parallel``: the residual
+    stream's sequence dim is sharded over ``tensor`` (never without a tensor axis).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -49,6 +50,7 @@ class Layout:
     reduce_after_microbatches: bool = False
     gather_dtype: str = "param"
     compression: Compression = field(default_factory=Compression)
+    sequence_parallel: bool = False
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -96,3 +98,15 @@ def effective_compression(compression: Compression, data: int) -> Compression:
     """What the data-axis reduction sends: nothing to compress without a data axis (and
     ``none`` carries no settings)."""
     return compression if data > 1 and compression.kind != "none" else Compression()
+
+
+def sequence_parallel(setting: bool | str, tensor: int, seq_len: int | None) -> bool:
+    """Whether a layout shards the residual stream's sequence over ``tensor``
+    (``train.sequence_parallel``): never without a tensor axis; ``"auto"`` wherever the
+    sequence (``seq_len``; None: unknown) divides by it — its activations divide by
+    ``tensor`` and its collectives move the same bytes, so it always pays."""
+    if tensor <= 1 or setting is False:
+        return False
+    if setting == "auto":
+        return seq_len is not None and seq_len % tensor == 0
+    return True

@@ -91,9 +91,9 @@ class _Terms:
 
 
 def _terms(ctx: Context, remat: str, data: int, fsdp: int, tensor: int,
-           microbatches: int) -> _Terms:
+           microbatches: int, sp: bool = False) -> _Terms:
     def make() -> _Terms:
-        table = ctx.table(remat, data, fsdp, tensor, microbatches)
+        table = ctx.table(remat, data, fsdp, tensor, microbatches, sp)
         lo, hi = ctx.span
         shared, shared_opt = ctx.outside_stack(fsdp, tensor)
         return _Terms(table.row(lo), float(table.saved[:lo].sum()),
@@ -102,7 +102,7 @@ def _terms(ctx: Context, remat: str, data: int, fsdp: int, tensor: int,
                       ctx.cost.layers[lo].input_bytes / (data * fsdp * microbatches), shared,
                       shared_opt, {name: table.prefix(name) for name in _SUMMED})
 
-    return ctx.cached(("terms", remat, data, fsdp, tensor, microbatches), make)
+    return ctx.cached(("terms", remat, data, fsdp, tensor, microbatches, sp), make)
 
 
 def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
@@ -115,7 +115,8 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     microbatches, virtual = layout.microbatches, layout.virtual_stages
     schedule = Schedule(layout.schedule, stages, microbatches, virtual)
     ch = chunks(ctx, layout.split)
-    k = _terms(ctx, layout.remat, data, fsdp, tensor, microbatches)
+    k = _terms(ctx, layout.remat, data, fsdp, tensor, microbatches,
+               layout.sequence_parallel)
     blk, lmax = k.block, ch.max_blocks
     prefix = k.prefix
 

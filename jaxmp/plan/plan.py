@@ -169,11 +169,13 @@ class SearchSettings:
     compression: Compression | None = None
     weights: str = "auto"
     compute_dtype: str | None = None
+    sequence_parallel: bool | str = "auto"
 
     def context(self, cost: ModelCost, n: int, profile: DeviceProfile) -> Context:
         return Context(cost, profile, n, self.rules, balance=self.balance,
                        compression=self.compression, weights=self.weights,
-                       compute_dtype=self.compute_dtype)
+                       compute_dtype=self.compute_dtype,
+                       sequence_parallel=self.sequence_parallel)
 
     def search(self, ctx: Context, fixed: Mapping[str, int] | None = None) -> SearchResult:
         try:
@@ -202,7 +204,8 @@ def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
          configured_remat: str | None = None, top: int = 8,
          pipeline: PipelineOptions | None = None, balance: str = "flops",
          compression: Compression | None = None, weights: str = "auto",
-         compute_dtype: str | None = None, find_devices_needed: bool = True) -> Plan:
+         compute_dtype: str | None = None, find_devices_needed: bool = True,
+         sequence_parallel: bool | str = "auto") -> Plan:
     """Plan ``cost`` (from :func:`jaxmp.cost.model_costs`) on ``n_devices`` of ``profile``:
     the search behind :func:`jaxmp.plan.make_plan`, which turns a run's config into these
     arguments.
@@ -212,7 +215,8 @@ def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
     (``"auto"`` / None: the search chooses; other values are ranked but marked not runnable);
     ``pipeline`` the configured pipeline settings and whether the trainer can run stages;
     ``balance`` how the executor cuts stages; ``compression`` how the data-axis gradient
-    reduction is encoded; ``weights`` / ``compute_dtype`` what fsdp gathers move.
+    reduction is encoded; ``weights`` / ``compute_dtype`` what fsdp gathers move;
+    ``sequence_parallel`` is ``train.sequence_parallel``.
     """
     if n_devices < 1:
         raise PlanError(f"the device count must be >= 1, got {n_devices}")
@@ -220,7 +224,7 @@ def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
     start = time.perf_counter()
     settings = SearchSettings(rules, fixed, tuple(remats) if remats else None, microbatches,
                               configured_remat, pipeline, balance, compression, weights,
-                              compute_dtype)
+                              compute_dtype, sequence_parallel)
     ctx = settings.context(cost, n_devices, profile)
     result = settings.search(ctx, fixed)
     best, notes = choose(result)

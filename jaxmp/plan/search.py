@@ -209,12 +209,15 @@ def choose(result: SearchResult) -> tuple[Candidate | None, list[str]]:
 
 
 def describe(layout: Layout) -> str:
-    """``"remat full, 1f1b, 64 mb"``: a layout's settings besides its mesh."""
+    """``"remat full, 1f1b, 64 mb, sequence parallel"``: a layout's settings besides its
+    mesh."""
     parts = [f"remat {layout.remat}"]
     if layout.stages > 1:
         parts.append(layout.schedule + (f" x{layout.virtual_stages}"
                                         if layout.virtual_stages > 1 else ""))
     parts.append(f"{layout.microbatches} mb")
+    if layout.sequence_parallel:
+        parts.append("sequence parallel")
     return ", ".join(parts)
 
 

@@ -2,10 +2,10 @@
 
 :class:`Layout` holds every decision that shapes the compiled step — the mesh, the remat
 policy, the microbatches, the pipeline schedule and its stage split, whether the data-axis
-reduction leaves XLA's hands, the dtype fsdp gathers weights in, the gradient compression, sequence parallelism. It is
-decided once (:func:`jaxmp.plan.make_plan`), built as is (:class:`jaxmp.Trainer`), read back
-from what was built (``Trainer.executed_layout()``) and compared field by field (the tests do,
-for every strategy ``jaxmp bench`` runs).
+reduction leaves XLA's hands, the dtype fsdp gathers weights in, the gradient compression,
+sequence parallelism. It is decided once (:func:`jaxmp.plan.make_plan`), built as is
+(:class:`jaxmp.Trainer`), read back from what was built (``Trainer.executed_layout()``) and
+compared field by field (the tests do, for every strategy ``jaxmp bench`` runs).
 
 A new decision is one new field here: the planner fills it, the Trainer consumes it,
 :meth:`Layout.to_json` shows it and :meth:`Layout.differences` compares it without further

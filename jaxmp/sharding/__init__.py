@@ -27,5 +27,6 @@ __all__ = ["DEFAULT_RULES", "METADATA_KEYS", "Axes", "Fallback", "Leaf", "LintRe
            "PathRule", "Resolution", "Rule", "abstract", "activation_sharding", "constrain",
            "constrain_param", "current_mesh", "fit_names", "lint", "logical_names",
            "logical_spec", "named", "names_of", "normalize_rules", "normalize_spec",
-           "param_gathering", "recording_names", "resolve", "resolve_leaves", "sequence_parallel_rules", "shardings_for",
-           "shards_sequence", "specs_for", "tree_leaves", "without_eager_sharding"]
+           "param_gathering", "recording_names", "resolve", "resolve_leaves",
+           "sequence_parallel_rules", "shardings_for", "shards_sequence", "specs_for",
+           "tree_leaves", "without_eager_sharding"]

@@ -6,8 +6,8 @@ taken out of XLA's hands (``reduce_after_microbatches``: to compress it, or to r
 step under accumulation and pipeline stages), with what encoding (``compression``,
 :mod:`jaxmp.compression.reduce`), and (2) in which dtype fsdp gathers weights
 (``gather_dtype``, :mod:`jaxmp.compression.gather`), and (3) whether activations shard the
-sequence over ``tensor`` (``sequence_parallel``, :mod:`jaxmp.sharding.sequence`). Nothing is decided here; with neither,
-the step is exactly XLA's plain program.
+sequence over ``tensor`` (``sequence_parallel``, :mod:`jaxmp.sharding.sequence`). Nothing is
+decided here; with none of them, the step is exactly XLA's plain program.
 """
 
 from __future__ import annotations

@@ -63,6 +63,9 @@ def summary(config: TrainerConfig, layout: Layout, gather_policy: WeightGather |
                      f"data axis (mesh.data=1)")
     if gather_policy is not None:
         parts.append(f"fsdp weights gathered as {gather_policy.wire}")
+    if layout.sequence_parallel:
+        parts.append(f"residual stream split along the sequence over tensor="
+                     f"{layout.sizes['tensor']} (sequence parallel)")
     return "; ".join(parts)
 
 

@@ -19,6 +19,7 @@ from jaxmp.errors import ConfigError
 from jaxmp.hlo import collective_stats
 from jaxmp.models import lm_loss
 from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
+from jaxmp.recipes.published import GPT3_175B
 from jaxmp.tools.measure import measure_step
 from jaxmp.topology import gpu_topology
 from jaxmp.train.state import init_state
@@ -254,3 +255,23 @@ def test_gpu_compiler_peak_as_predicted_with_and_without():
         assert (m.collectives.count_by_kind["reduce-scatter"] > 0) == (sp == "true")
         peaks.append(m.peak_bytes)
     assert peaks[1] < 0.85 * peaks[0]
+
+
+def test_nemo_gpt3_175b_layout_with_sequence_parallelism():
+    """NeMo's GPT-3 175B on 128 H100 (t4 x p8 x d4, interleaved x6, 64 microbatches of one
+    sequence): sequence parallelism alone divides the stashed residuals by tensor (the
+    pipeline's boundary buffers stay), leaves the state and the step time as they were."""
+    sets = [s for s in GPT3_175B if not s.startswith("train.batch_size")] + [
+        "train.batch_size=256", "device.usable_fraction=0.95", "mesh.data=4", "mesh.stage=8",
+        "mesh.tensor=4", "mesh.fsdp=1", "pipeline.schedule=interleaved",
+        "pipeline.virtual_stages=6", "train.microbatches=64", "model.remat=full"]
+    off, on = (gpt_plan(jaxmp.load_config(None, sets + [f"train.sequence_parallel={sp}"]), 128,
+                        "H100", find_devices_needed=False).predicted
+               for sp in ("false", "true"))
+    parts = lambda p: {k.split(":")[0]: v for k, v in p.activation_parts.items()}
+    assert parts(on)["residuals"] == pytest.approx(parts(off)["residuals"] / 4, rel=0.01)
+    assert on.activation_bytes < 0.35 * off.activation_bytes
+    assert on.param_bytes + on.optimizer_bytes + on.grad_bytes == \
+        off.param_bytes + off.optimizer_bytes + off.grad_bytes
+    assert on.step_time_s == pytest.approx(off.step_time_s, rel=1e-9)
+    assert off.per_device_bytes - on.per_device_bytes > 4 * 2**30

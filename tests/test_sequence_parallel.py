@@ -259,8 +259,8 @@ def test_gpu_compiler_peak_as_predicted_with_and_without():
 
 def test_nemo_gpt3_175b_layout_with_sequence_parallelism():
     """NeMo's GPT-3 175B on 128 H100 (t4 x p8 x d4, interleaved x6, 64 microbatches of one
-    sequence): sequence parallelism alone divides the stashed residuals by tensor (the
-    pipeline's boundary buffers stay), leaves the state and the step time as they were."""
+    sequence): sequence parallelism alone divides the stashed residuals and the stage
+    boundary's buffers and sends by tensor, leaves the state as it was, and is no slower."""
     sets = [s for s in GPT3_175B if not s.startswith("train.batch_size")] + [
         "train.batch_size=256", "device.usable_fraction=0.95", "mesh.data=4", "mesh.stage=8",
         "mesh.tensor=4", "mesh.fsdp=1", "pipeline.schedule=interleaved",
@@ -270,8 +270,9 @@ def test_nemo_gpt3_175b_layout_with_sequence_parallelism():
                for sp in ("false", "true"))
     parts = lambda p: {k.split(":")[0]: v for k, v in p.activation_parts.items()}
     assert parts(on)["residuals"] == pytest.approx(parts(off)["residuals"] / 4, rel=0.01)
-    assert on.activation_bytes < 0.35 * off.activation_bytes
+    assert on.activation_bytes == pytest.approx(off.activation_bytes / 4, rel=0.01)
+    assert on.comm_bytes["stage"] < off.comm_bytes["stage"]
     assert on.param_bytes + on.optimizer_bytes + on.grad_bytes == \
         off.param_bytes + off.optimizer_bytes + off.grad_bytes
-    assert on.step_time_s == pytest.approx(off.step_time_s, rel=1e-9)
+    assert on.step_time_s <= off.step_time_s
     assert off.per_device_bytes - on.per_device_bytes > 4 * 2**30

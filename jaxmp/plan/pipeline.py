@@ -99,7 +99,9 @@ def _terms(ctx: Context, remat: str, data: int, fsdp: int, tensor: int,
         return _Terms(table.row(lo), float(table.saved[:lo].sum()),
                       float(table.saved[hi:].sum()), float(table.work[:lo].max(initial=0.0)),
                       float(table.work[hi:].max(initial=0.0)),
-                      ctx.cost.layers[lo].input_bytes / (data * fsdp * microbatches), shared,
+                      # sequence parallel: the stream crosses stages split over tensor too
+                      ctx.cost.layers[lo].input_bytes / (data * fsdp * microbatches)
+                      / (tensor if sp else 1), shared,
                       shared_opt, {name: table.prefix(name) for name in _SUMMED})
 
     return ctx.cached(("terms", remat, data, fsdp, tensor, microbatches, sp), make)

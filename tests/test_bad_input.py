@@ -143,6 +143,13 @@ CASES = [
     Case("two mesh axes set to -1", train("mesh.data=-1", "mesh.fsdp=-1"), 2, "only one mesh"),
     Case("zero-size mesh axis", train("mesh.tensor=0"), 2, "mesh.tensor: must be >= 1"),
     Case("train.max_skipped 0", train("train.max_skipped=0"), 2, "train.max_skipped"),
+    Case("sequence_parallel neither a boolean nor auto", train("train.sequence_parallel=yes"), 2,
+         "train.sequence_parallel: expected a boolean or 'auto'"),
+    Case("sequence parallel on a sequence tensor does not divide",
+         train("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8", "data.seq_len=12",
+               "train.sequence_parallel=true"), 2,
+         "train.sequence_parallel=true: the sequence length 12 does not divide over "
+         "mesh.tensor=8"),
     Case("data source that is not a token file", train("data.source=corpus.txt"), 2,
          "data.source"),
     Case("uint16 tokens for a vocab > 65536", train("data.source=x.bin", "model.vocab_size=70000"),

@@ -32,6 +32,7 @@ Balance = Literal["flops", "layers"]
 GradCompression = Literal["none", "bfloat16", "int8", "powersgd"]
 WeightGather = Literal["auto", "param", "bfloat16", "int8"]
 OptimizerSharding = Literal["auto", "none", "data"]
+SequenceParallel = bool | Literal["auto"]  # "auto": the planner's (on when tensor > 1 allows)
 REMAT_POLICY_NAMES: tuple[str, ...] = get_args(RematPolicy)
 ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
@@ -132,6 +133,9 @@ class TrainConfig(Section):
     max_skipped: int = bounded(5, ge=1)  # consecutive non-finite steps skipped before stopping
     # Adam state sharded over data too (ZeRO-1, jaxmp.train.zero); "auto": when it makes a fit
     optimizer_sharding: OptimizerSharding = "auto"
+    # norms, residual adds and dropout sharded along the sequence over tensor (sequence
+    # parallelism, jaxmp.sharding.sequence); "auto": wherever tensor > 1 and seq divides by it
+    sequence_parallel: SequenceParallel = "auto"
 
     def _validate(self) -> None:
         m = self.microbatches

@@ -92,6 +92,10 @@ class ModelCost:
     warnings: list[str] = field(default_factory=list)
     probes: dict[str, tuple[Callable, Callable, tuple]] = field(default_factory=dict, repr=False)
     runs_as: str = "none"  # the remat policy the model runs with as written (what is runnable)
+    # The logical names its activations are constrained with, and the batch's sequence length
+    # (its second dim): whether and how far sequence parallelism can split the model.
+    activation_names: frozenset[str] = frozenset()
+    seq_len: int = 0
 
     def flops_per_step(self, remat: str = "none") -> float:
         return sum(layer.flops(remat) for layer in self.layers)
@@ -231,7 +235,8 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
         model = sharding.abstract(lambda: model(nnx.Rngs(0)))
     batch = _abstract(batch)
     rows = int(jax.tree.leaves(batch)[0].shape[0])
-    grad_jaxpr, rec = trace_training(model, batch, loss_fn)
+    with sharding.recording_names() as names:
+        grad_jaxpr, rec = trace_training(model, batch, loss_fn)
     specs = rec.specs
     all_leaves, _ = sharding.tree_leaves(nnx.state(model, nnx.Param), path_rules)
     att = _attribute(grad_jaxpr, len(all_leaves))
@@ -313,7 +318,9 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
         lay.input_bytes = lay.input_bytes or prev_out
         prev_out = lay.boundary_bytes
     batch_bytes = float(sum(_nbytes(x) for x in jax.tree.leaves(batch)))
+    seq = next((int(x.shape[1]) for x in jax.tree.leaves(batch) if len(x.shape) >= 2), 0)
     return ModelCost(layers, rows, batch_bytes, att["program_fwd"].flops,
-                     att["program_bwd"].flops, warnings, probes)
+                     att["program_bwd"].flops, warnings, probes,
+                     activation_names=frozenset(names), seq_len=seq)
 
 

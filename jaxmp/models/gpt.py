@@ -267,6 +267,12 @@ class GPT(nnx.Module):
         # the batch sharding instead of the table's fsdp sharding.
         table = constrain(self.embed[...], ("act_vocab", "act_embed"))
         x = jnp.take(table, tokens, axis=0).astype(dt)
+        # The lookup over the whole sequence (Megatron's vocab-parallel embedding), then split
+        # as the residual stream is: under sequence parallelism the backward gathers the
+        # stream's gradient before scattering it into the table, instead of shuffling token
+        # ids and rows between devices (a collective a pipeline's first stage alone would
+        # reach). Without it the two constraints are the same.
+        x = constrain(x, ("batch", None, "act_embed"))
         return constrain(x, ("batch", "seq", "act_embed"))
 
     def logits(self, x: jax.Array) -> jax.Array:

@@ -28,7 +28,8 @@ from jaxmp.mesh import AXES
 from jaxmp.pipeline.footprint import fold, stack_span
 from jaxmp.pipeline.stages import StageSplit, split_layers
 from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
-                               reduction)
+                               reduction, sequence_parallel)
+from jaxmp.sharding.sequence import SEQ
 
 STEP_STATE_BYTES = 4  # the step counter of the train state
 
@@ -136,14 +137,16 @@ class Context:
     ``balance`` is how the executor cuts pipeline stages (``pipeline.balance``);
     ``compression`` how the data-axis gradient reduction is encoded; ``weights`` the
     configured fsdp weight-gather dtype (``compression.weights``) and ``compute_dtype`` the
-    model's, which together decide what gathers and gradient reductions move.
+    model's, which together decide what gathers and gradient reductions move;
+    ``sequence_parallel`` is ``train.sequence_parallel`` (True, False or ``"auto"``).
     """
 
     def __init__(self, cost: ModelCost, profile: DeviceProfile, n_devices: int,
                  rules: Sequence = sharding.DEFAULT_RULES, balance: str = "flops",
                  compression: Compression | None = None, weights: str = "auto",
-                 compute_dtype: str | None = None):
+                 compute_dtype: str | None = None, sequence_parallel: bool | str = "auto"):
         self.cost = cost
+        self.sequence_parallel = sequence_parallel
         self.compression = compression or Compression()
         # The data-axis gradient reduction's bytes relative to float32 (compression.gradients).
         self.grad_bytes_factor = bytes_factor(
@@ -250,10 +253,20 @@ class Context:
     def flops_per_step(self, remat: str) -> float:
         return self.cached(("flops", remat), lambda: self.cost.flops_per_step(remat))
 
+    @property
+    def seq_len(self) -> int | None:
+        """The sequence length sequence parallelism could split: the model's, when its
+        activations name the sequence dim (:data:`jaxmp.sharding.sequence.SEQ`); else None."""
+        return self.cost.seq_len if SEQ in self.cost.activation_names else None
+
+    def _divisor(self, i: int, fsdp: int, tensor: int, sp: bool):
+        return _saved_divisor(self.shard(i, fsdp, tensor).tensor_dims, tensor,
+                              (self.seq_len or 0) if sp else 0)
+
     def _saved_bytes(self, i: int, remat: str, fsdp: int, tensor: int, rows: float,
-                     fused: bool) -> float:
+                     fused: bool, sp: bool = False) -> float:
         def split() -> tuple[float, float]:
-            div = _saved_divisor(self.shard(i, fsdp, tensor).tensor_dims, tensor)
+            div = self._divisor(i, fsdp, tensor, sp)
             lay = self.cost.layers[i]
             saved = lay.fused.get(remat, lay.saved.get(remat)) if fused else lay.saved[remat]
             const, per_row = saved.split(div, self.profile.upcasts_16bit)
@@ -261,17 +274,17 @@ class Context:
             # split like the weights, and gathers them again for the backward pass.
             return (const / fsdp if lay.in_loop else const), per_row
 
-        const, per_row = self.cached(("saved", i, remat, fsdp, tensor, fused), split)
+        const, per_row = self.cached(("saved", i, remat, fsdp, tensor, fused, sp), split)
         return const + per_row * rows
 
     def _transient(self, i: int, remat: str, fsdp: int, tensor: int, rows: float,
-                   io: float) -> float:
+                   io: float, sp: bool = False) -> float:
         """Peak extra bytes of layer i's backward pass at ``rows`` (jaxmp.cost.liveness)."""
         lay = self.cost.layers[i]
         if remat not in lay.transient:  # the root's code: its gradients mirror what it keeps
-            return 2 * io + self._saved_bytes(i, remat, fsdp, tensor, rows, fused=True)
-        div = _saved_divisor(self.shard(i, fsdp, tensor).tensor_dims, tensor)
-        sizes = self.cached(("transient", i, remat, fsdp, tensor),
+            return 2 * io + self._saved_bytes(i, remat, fsdp, tensor, rows, True, sp)
+        div = self._divisor(i, fsdp, tensor, sp)
+        sizes = self.cached(("transient", i, remat, fsdp, tensor, sp),
                             lambda: lay.transient[remat].sizes(div, self.profile.upcasts_16bit))
         return lay.transient[remat].peak_of(sizes, rows)
 
@@ -286,14 +299,14 @@ class Context:
         return out
 
     def table(self, remat: str, data: int, fsdp: int, tensor: int,
-              microbatches: int) -> LayerTable:
-        """The :class:`LayerTable` of one (remat, mesh, microbatches), computed once per group
-        of identical layers and cached."""
-        return self.cached(("table", remat, data, fsdp, tensor, microbatches),
-                           lambda: self._table(remat, data, fsdp, tensor, microbatches))
+              microbatches: int, sp: bool = False) -> LayerTable:
+        """The :class:`LayerTable` of one (remat, mesh, microbatches, sequence parallelism),
+        computed once per group of identical layers and cached."""
+        return self.cached(("table", remat, data, fsdp, tensor, microbatches, sp),
+                           lambda: self._table(remat, data, fsdp, tensor, microbatches, sp))
 
     def _table(self, remat: str, data: int, fsdp: int, tensor: int,
-               microbatches: int) -> LayerTable:
+               microbatches: int, sp: bool) -> LayerTable:
         cost = self.cost
         rows = cost.rows / (data * fsdp * microbatches)
         bw_tensor = self.link_bw({"data": data, "stage": 1, "fsdp": fsdp,
@@ -302,13 +315,13 @@ class Context:
         per_group = []
         for i in self.first:
             lay, sh = cost.layers[i], self.shard(i, fsdp, tensor)
-            saved = self._saved_bytes(i, remat, fsdp, tensor, rows, fused=False)
-            act = self._saved_bytes(i, remat, fsdp, tensor, rows, fused=True) \
+            saved = self._saved_bytes(i, remat, fsdp, tensor, rows, False, sp)
+            act = self._saved_bytes(i, remat, fsdp, tensor, rows, True, sp) \
                 if not lay.in_loop else saved
             io = max(lay.boundary_bytes, lay.input_bytes) * rows / cost.rows
             if self.profile.upcasts_16bit and lay.act_itemsize == 2:
                 io *= 2
-            transient = self._transient(i, remat, fsdp, tensor, rows, io)
+            transient = self._transient(i, remat, fsdp, tensor, rows, io, sp)
             # Outside a loop an fsdp-gathered weight is gathered once and kept for the
             # backward pass, unless remat recomputes the layer (then it is gathered again;
             # a policy recomputes a layer when it saves less than without one). Inside a
@@ -351,8 +364,9 @@ class Context:
     def layout(self, sizes: Mapping[str, int], remat: str, microbatches: int,
                schedule: str = "", virtual: int = 1, optimizer: str = "none") -> Layout:
         """The complete :class:`~jaxmp.plan.layout.Layout` of one candidate: its stage split,
-        data-reduction decision, gather dtype and compression derived here, once;
-        ``optimizer``: the optimizer-state sharding tried (``"none"`` without a data axis)."""
+        data-reduction decision, gather dtype, compression and sequence parallelism derived
+        here, once; ``optimizer``: the optimizer-state sharding tried (``"none"`` without a
+        data axis)."""
         stages = int(sizes.get("stage", 1))
         compression = effective_compression(self.compression, int(sizes.get("data", 1)))
         wire, reduce = self.wire_dtypes(int(sizes.get("fsdp", 1)))
@@ -362,7 +376,9 @@ class Context:
                       reduction(sizes, compression, microbatches), wire, compression,
                       reduce_dtype=reduce,
                       optimizer_sharding=optimizer_sharding(optimizer,
-                                                            int(sizes.get("data", 1))))
+                                                            int(sizes.get("data", 1))),
+                      sequence_parallel=sequence_parallel(
+                          self.sequence_parallel, int(sizes.get("tensor", 1)), self.seq_len))
 
     def outside_stack(self, fsdp: int, tensor: int) -> tuple[float, float]:
         """Parameter and optimizer bytes per device of the layers outside the layer stack
@@ -383,12 +399,17 @@ def zero_divisor(layout: Layout) -> int:
     return layout.sizes.get("data", 1) if layout.optimizer_sharding == "data" else 1
 
 
-def _saved_divisor(tdims: frozenset[int], tensor: int):
+def _saved_divisor(tdims: frozenset[int], tensor: int, seq: int = 0):
+    """What splits an activation over ``tensor``: a dim a tensor-split weight has (heads, mlp,
+    vocab), or — with sequence parallelism (``seq``: its length; 0 off) — the sequence dim
+    right after the batch dim, which the residual stream's other arrays keep whole."""
     def divisor(shape: tuple, bdim: int | None) -> int:
         if tensor <= 1:
             return 1
         hit = any(s in tdims and s % tensor == 0 for dim, s in enumerate(shape) if dim != bdim)
-        return tensor if hit else 1
+        seq_split = seq and bdim is not None and len(shape) > bdim + 1 and \
+            shape[bdim + 1] == seq and seq % tensor == 0
+        return tensor if hit or seq_split else 1
 
     return divisor
 

@@ -2,10 +2,10 @@
 
 :class:`Layout` holds every decision that shapes the compiled step — the mesh, the remat
 policy, the microbatches, the pipeline schedule and its stage split, whether the data-axis
-reduction leaves XLA's hands, the dtype fsdp gathers weights in, the gradient compression. It is
-decided once (:func:`jaxmp.plan.make_plan`), built as is (:class:`jaxmp.Trainer`), read back
-from what was built (``Trainer.executed_layout()``) and compared field by field (the tests do,
-for every strategy ``jaxmp bench`` runs).
+reduction leaves XLA's hands, the dtype fsdp gathers weights in, the gradient compression,
+sequence parallelism. It is decided once (:func:`jaxmp.plan.make_plan`), built as is
+(:class:`jaxmp.Trainer`), read back from what was built (``Trainer.executed_layout()``) and
+compared field by field (the tests do, for every strategy ``jaxmp bench`` runs).
 
 A new decision is one new field here: the planner fills it, the Trainer consumes it,
 :meth:`Layout.to_json` shows it and :meth:`Layout.differences` compares it without further
@@ -44,7 +44,8 @@ class Layout:
     (``"xla"`` | ``"cudnn"``; ``""``: not the plan's to decide — a model that calls its
     attention its own way). ``optimizer_sharding`` is ``"data"`` when the optimizer state is
     sharded over the data axis as well (ZeRO-1, :mod:`jaxmp.train.zero`; only with
-    ``data > 1``), else ``"none"``.
+    ``data > 1``), else ``"none"``. ``sequence_parallel``: the residual stream's sequence dim
+    is sharded over ``tensor`` (never without a tensor axis).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -59,6 +60,7 @@ class Layout:
     attention: str = ""
     reduce_dtype: str = "param"
     optimizer_sharding: str = "none"
+    sequence_parallel: bool = False
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -115,3 +117,15 @@ def optimizer_sharding(configured: str, data: int, auto: str = "none") -> str:
     if data <= 1:
         return "none"
     return auto if configured == "auto" else configured
+
+
+def sequence_parallel(setting: bool | str, tensor: int, seq_len: int | None) -> bool:
+    """Whether a layout shards the residual stream's sequence over ``tensor``
+    (``train.sequence_parallel``): never without a tensor axis; ``"auto"`` wherever the
+    sequence (``seq_len``; None: unknown) divides by it — its activations divide by
+    ``tensor`` and its collectives move the same bytes, so it always pays."""
+    if tensor <= 1 or setting is False:
+        return False
+    if setting == "auto":
+        return seq_len is not None and seq_len % tensor == 0
+    return True

@@ -13,7 +13,8 @@ call; every ``"auto"`` is decided here:
   defaults and no predictions — mesh: the fixed axes, ``"auto"`` ones 1 (all ``"auto"``: data
   parallel); ``train.microbatches = "auto"``: 1 without stages, 2 × stages with them;
   ``pipeline.schedule = "auto"``: 1f1b (interleaved: 2 virtual stages); ``pipeline.balance =
-  "flops"`` needs costs (bad input).
+  "flops"`` needs costs (bad input); ``train.sequence_parallel = "auto"``: off (nothing
+  says the model names its sequence dim, or how long it is).
 
 The mesh: an axis set to an integer is fixed; ``-1`` takes what the others leave (then the
 mesh is spelled out and ``"auto"`` axes are 1); ``"auto"`` axes are the planner's when it has
@@ -42,9 +43,10 @@ from jaxmp.pipeline.footprint import stack_span
 from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import split_layers
 from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
-                               reduction)
+                               reduction, sequence_parallel)
 from jaxmp.plan.plan import Plan, plan
 from jaxmp.plan.search import PipelineOptions
+from jaxmp.sharding.sequence import SEQ
 
 NO_SPEC = ("this model cannot be split into stages (it needs a PipelineSpec: pre, a stacked "
            "layer module, post)")
@@ -179,7 +181,9 @@ def make_plan(config: TrainerConfig, cost: ModelCost | None, n_devices: int, *,
                   balance=pc.balance, compression=compression,
                   weights=config.compression.weights, compute_dtype=compute_dtype,
                   find_devices_needed=find_devices_needed,
-                  optimizer_sharding=config.train.optimizer_sharding)
+                  optimizer_sharding=config.train.optimizer_sharding,
+                  sequence_parallel=config.train.sequence_parallel)
+    check_sequence_parallel(config, cost, result.layout)
     if result.layout.split is not None and stack_blocks is not None and \
             result.layout.split.n_blocks != stack_blocks:
         raise ConfigError(f"the model's layer stack has {stack_blocks} blocks but its costs "
@@ -194,6 +198,21 @@ def _with_attention(result: Plan, attention: AttentionChoice | None) -> Plan:
         result.layout = dataclasses.replace(result.layout, attention=attention.implementation)
         result.notes.append(str(attention))
     return result
+
+
+def check_sequence_parallel(config: TrainerConfig, cost: ModelCost, layout: Layout) -> None:
+    """Refuse ``train.sequence_parallel = true`` where the chosen layout cannot shard the
+    sequence: a sequence the tensor axis does not divide, or a model that never names its
+    sequence dim (``constrain(x, ("batch", "seq", ...))``) — it would silently do nothing."""
+    tensor = layout.sizes["tensor"]
+    if config.train.sequence_parallel is not True or tensor == 1:
+        return
+    if SEQ not in cost.activation_names:
+        raise ConfigError("train.sequence_parallel=true: the model names no activation's "
+                          f"sequence dim {SEQ!r} (rules.constrain(x, ('batch', 'seq', ...)))")
+    if cost.seq_len % tensor:
+        raise ConfigError(f"train.sequence_parallel=true: the sequence length {cost.seq_len} "
+                          f"does not divide over mesh.tensor={tensor}")
 
 
 def _blocks(cost: ModelCost | None, stack_blocks: int | None) -> int | None:
@@ -223,7 +242,9 @@ def _from_config(config: TrainerConfig, sizes: dict[str, int], rules: tuple,
                     virtual if stages > 1 else 1, split, reduction(sizes, comp, microbatches),
                     wire, comp, reduce_dtype=reduce_dtype(wire, compute_dtype),
                     optimizer_sharding=optimizer_sharding(config.train.optimizer_sharding,
-                                                          sizes["data"]))
+                                                          sizes["data"]),
+                    sequence_parallel=sequence_parallel(config.train.sequence_parallel,
+                                                        sizes["tensor"], None))
     if stages > 1:
         Schedule(layout.schedule, stages, microbatches, layout.virtual_stages)  # validates
     return Plan(layout, predicted=None, fits=None, runnable=True, rules=rules,

@@ -91,18 +91,20 @@ class _Terms:
 
 
 def _terms(ctx: Context, remat: str, data: int, fsdp: int, tensor: int,
-           microbatches: int) -> _Terms:
+           microbatches: int, sp: bool = False) -> _Terms:
     def make() -> _Terms:
-        table = ctx.table(remat, data, fsdp, tensor, microbatches)
+        table = ctx.table(remat, data, fsdp, tensor, microbatches, sp)
         lo, hi = ctx.span
         shared, shared_opt = ctx.outside_stack(fsdp, tensor)
         return _Terms(table.row(lo), float(table.saved[:lo].sum()),
                       float(table.saved[hi:].sum()), float(table.work[:lo].max(initial=0.0)),
                       float(table.work[hi:].max(initial=0.0)),
-                      ctx.cost.layers[lo].input_bytes / (data * fsdp * microbatches), shared,
+                      # sequence parallel: the stream crosses stages split over tensor too
+                      ctx.cost.layers[lo].input_bytes / (data * fsdp * microbatches)
+                      / (tensor if sp else 1), shared,
                       shared_opt, {name: table.prefix(name) for name in _SUMMED})
 
-    return ctx.cached(("terms", remat, data, fsdp, tensor, microbatches), make)
+    return ctx.cached(("terms", remat, data, fsdp, tensor, microbatches, sp), make)
 
 
 def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
@@ -115,7 +117,8 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     microbatches, virtual = layout.microbatches, layout.virtual_stages
     schedule = Schedule(layout.schedule, stages, microbatches, virtual)
     ch = chunks(ctx, layout.split)
-    k = _terms(ctx, layout.remat, data, fsdp, tensor, microbatches)
+    k = _terms(ctx, layout.remat, data, fsdp, tensor, microbatches,
+               layout.sequence_parallel)
     blk, lmax = k.block, ch.max_blocks
     prefix = k.prefix
 

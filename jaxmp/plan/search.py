@@ -229,7 +229,8 @@ def choose(result: SearchResult) -> tuple[Candidate | None, list[str]]:
 
 
 def describe(layout: Layout) -> str:
-    """``"remat full, 1f1b, 64 mb"``: a layout's settings besides its mesh."""
+    """``"remat full, 1f1b, 64 mb, sequence parallel"``: a layout's settings besides its
+    mesh."""
     parts = [f"remat {layout.remat}"]
     if layout.stages > 1:
         parts.append(layout.schedule + (f" x{layout.virtual_stages}"
@@ -237,6 +238,8 @@ def describe(layout: Layout) -> str:
     parts.append(f"{layout.microbatches} mb")
     if layout.optimizer_sharding != "none":
         parts.append(f"optimizer over {layout.optimizer_sharding}")
+    if layout.sequence_parallel:
+        parts.append("sequence parallel")
     return ", ".join(parts)
 
 

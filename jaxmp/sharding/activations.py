@@ -14,6 +14,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxmp.sharding.resolve import DEFAULT_RULES, Rule, logical_spec, normalize_rules
 
+_SEEN: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "jaxmp_activation_names", default=None)
 _ACTIVE: contextvars.ContextVar[tuple[Any, tuple[Rule, ...]] | None] = contextvars.ContextVar(
     "jaxmp_activation_sharding", default=None)
 
@@ -30,6 +32,19 @@ def activation_sharding(mesh: Mesh, rules: Sequence[Rule] = DEFAULT_RULES) -> It
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def recording_names() -> Iterator[set[str]]:
+    """Collect the logical names :func:`constrain` is called with while tracing inside (the
+    cost model asks whether a model names its sequence dim: what sequence parallelism
+    needs)."""
+    seen: set[str] = set()
+    token = _SEEN.set(seen)
+    try:
+        yield seen
+    finally:
+        _SEEN.reset(token)
 
 
 def current_mesh(mesh: Mesh) -> Any:
@@ -52,6 +67,9 @@ def constrain(x: Any, names: Sequence[str | None]) -> Any:
 
     Keeps model code runnable on one device and in tests without any mesh.
     """
+    seen = _SEEN.get()
+    if seen is not None:
+        seen.update(n for n in names if n is not None)
     active = _ACTIVE.get()
     if active is None:
         return x

@@ -139,6 +139,7 @@ class Trainer:
                            self.accumulation)  # refuse a batch the mesh cannot split
         self.extensions = {**wire.extensions(planned, path_rules), **self.extensions}
         self.gather = wire.gather(planned, self.mesh, self.rules, compute_dtype)
+        self.step_rules = wire.activation_rules(planned, self.rules)  # sequence parallelism
         self.is_main = jax.process_index() == 0
         self.tx = make_optimizer(config.optimizer, config.train.steps)
         self.lr_schedule = make_schedule(config.optimizer, config.train.steps)
@@ -154,7 +155,7 @@ class Trainer:
         self.executor = None if self.stages is None else PipelineExecutor(
             self.layout.graphdef, self.mesh, pipeline, self.stages.schedule, self.stages.split)
         self.grad_fn = None if self.executor is None else self.executor.grad_fn(
-            without_data(self.rules) if self.reducer is not None else self.rules)
+            without_data(self.step_rules) if self.reducer is not None else self.step_rules)
         self.state: TrainState | None = None
         self.history: list[dict] = []
         self._batch_spec = None
@@ -162,7 +163,8 @@ class Trainer:
     def executed_layout(self) -> Layout:
         """The layout read back from what was built — the mesh, the pipeline executor's
         schedule, the padded stack's split, the step's accumulation, reducer and gather
-        policy, the model's (or pipeline's) remat and attention kernel — not copied from the
+        policy, the model's (or pipeline's) remat and attention kernel, the optimizer state's
+        sharding, whether the step's activation rules shard the sequence — not copied from the
         plan; a test compares
         it with ``self.plan.layout`` field by field."""
         sizes = mesh_shape(self.mesh)
@@ -182,7 +184,8 @@ class Trainer:
                       self.gather.wire if self.gather is not None else "param", comp,
                       self._attention,
                       self.gather.reduce if self.gather is not None else "param",
-                      zero.built(self.layout))
+                      zero.built(self.layout),
+                      sharding.shards_sequence(self.step_rules, sizes))
 
     # -- the one train step -------------------------------------------------------------------
     def compile(self, batch: Any = None, warmup: bool = False) -> Any:
@@ -198,7 +201,7 @@ class Trainer:
         reducer = wire.reducer(self.plan.layout, self.mesh, self.layout, self.path_rules,
                                warmup=True) if warmup else self.reducer
         step = make_train_step(self.layout, self.loss_fn, self.tx, self.lr_schedule, batch,
-                               self.accumulation, self.rules, self.config.train.seed,
+                               self.accumulation, self.step_rules, self.config.train.seed,
                                grad_fn=self.grad_fn, gather=self.gather, reducer=reducer,
                                guard=self.guard, zero=zero.ShardedUpdate.of(self.layout)
                                if zero.built(self.layout) == "data" else None)
@@ -263,8 +266,9 @@ class Trainer:
         warm = wire.warmup_steps(self.plan.layout)  # PowerSGD's uncompressed first steps
         warm_fn = self.compile(batch, warmup=True) if start_step < warm else None
         eval_fn = self._compile(make_eval_step(
-            self.layout, self.loss_fn, batch, self.rules, t.seed,
-            pipeline_loss=None if self.executor is None else self.executor.eval_fn(self.rules)
+            self.layout, self.loss_fn, batch, self.step_rules, t.seed,
+            pipeline_loss=None if self.executor is None else
+            self.executor.eval_fn(self.step_rules)
         ).lower(self.layout.abstract, batch)) if self.eval_data is not None and t.eval_every > 0 \
             else None
         peers.align("compiled")  # several processes: all compiled before any program runs

@@ -5,8 +5,9 @@ The plan's :class:`~jaxmp.plan.Layout` says (1) whether the data-axis gradient r
 taken out of XLA's hands (``reduce_after_microbatches``: to compress it, or to reduce once per
 step under accumulation and pipeline stages), with what encoding (``compression``,
 :mod:`jaxmp.compression.reduce`), and (2) in which dtype fsdp gathers weights
-(``gather_dtype``, :mod:`jaxmp.compression.gather`). Nothing is decided here; with neither,
-the step is exactly XLA's plain program.
+(``gather_dtype``, :mod:`jaxmp.compression.gather`), and (3) whether activations shard the
+sequence over ``tensor`` (``sequence_parallel``, :mod:`jaxmp.sharding.sequence`). Nothing is
+decided here; with none of them, the step is exactly XLA's plain program.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from jaxmp import sharding
 from jaxmp.compression.gather import WeightGather, weight_gather
 from jaxmp.compression.reduce import STATE_KEY, Reducer, state_extension
 from jaxmp.config import TrainerConfig
@@ -63,4 +65,15 @@ def summary(config: TrainerConfig, layout: Layout, gather_policy: WeightGather |
     if gather_policy is not None:
         parts.append(f"fsdp weights gathered as {gather_policy.wire}, gradients reduced as "
                      f"{gather_policy.reduce}")
+    if layout.sequence_parallel:
+        parts.append(f"residual stream split along the sequence over tensor="
+                     f"{layout.sizes['tensor']} (sequence parallel)")
     return "; ".join(parts)
+
+
+def activation_rules(layout: Layout, rules: Sequence) -> tuple:
+    """The rules the step constrains activations with: ``rules``, with the residual stream's
+    sequence over ``tensor`` when the layout says so (:mod:`jaxmp.sharding.sequence`);
+    parameters keep ``rules``."""
+    return sharding.sequence_parallel_rules(rules) if layout.sequence_parallel \
+        else sharding.normalize_rules(rules)

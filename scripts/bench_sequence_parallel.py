@@ -1,0 +1,125 @@
+"""Sequence parallelism off / on: per-device bytes of the compiled step, and its step time.
+
+    python scripts/bench_sequence_parallel.py            # 8 simulated CPU devices
+    JAX_PLATFORMS=cpu python scripts/bench_sequence_parallel.py --gpu   # + deviceless 8 x H100
+
+Prints docs/benchmarks.md's tables: for each mesh, the planner's prediction and the compiled
+step's argument, temporary and collective bytes per device with ``train.sequence_parallel``
+false and true (CPU: the test-size GPT at sequence 256; ``--gpu``: the GPU compiler for 8
+deviceless H100s, a 4-layer 2048-wide GPT at sequence 2048 in bf16), then the step time on
+the CPU devices: the two steps run interleaved A B A B (``--rounds`` rounds of ``--steps``
+steps each after a warm-up), the ratio on / off per round, its median and spread.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from jaxmp._util.env import simulate_devices
+
+simulate_devices(8)
+
+import jax  # noqa: E402
+
+import jaxmp  # noqa: E402
+from jaxmp._util.fmt import fmt_bytes  # noqa: E402
+from jaxmp.recipes.gpt import gpt_plan, gpt_trainer  # noqa: E402
+from jaxmp.tools.bench import random_batch  # noqa: E402
+from jaxmp.tools.measure import measure_step  # noqa: E402
+from jaxmp.train.state import init_state  # noqa: E402
+from jaxmp.train.step import batch_sharding  # noqa: E402
+
+CPU = ["model.layers=8", "model.d_model=128", "model.heads=8", "model.vocab_size=256",
+       "data.seq_len=256", "train.batch_size=16", "data.source=synthetic"]
+GPU = ["model.layers=4", "model.d_model=2048", "model.heads=16", "model.vocab_size=1024",
+       "model.compute_dtype=bfloat16", "data.seq_len=2048", "data.source=synthetic",
+       "train.batch_size=8", "model.remat=none"]
+MESHES = [{"data": 2, "tensor": 4}, {"tensor": 8}, {"stage": 2, "data": 2, "tensor": 2}]
+
+
+def mesh_sets(axes: dict) -> list[str]:
+    """The mesh fixed; with stages, 4 microbatches of the pipeline (1F1B)."""
+    return [f"mesh.{a}={axes.get(a, 1)}" for a in ("data", "stage", "fsdp", "tensor")] + \
+        [f"train.microbatches={4 if axes.get('stage', 1) > 1 else 1}"]
+
+
+def build(sets: list[str], sp: str, devices: list, **plan_kw):
+    config = jaxmp.load_config(None, sets + [f"train.sequence_parallel={sp}"])
+    plan = gpt_plan(config, len(devices), **plan_kw)
+    return gpt_trainer(config, devices=devices, with_data=False, plan=plan), plan
+
+
+def byte_rows(sets: list[str], devices: list, label: str, meshes: list[dict],
+              **plan_kw) -> list[list[str]]:
+    rows = []
+    for axes in meshes:
+        for sp in ("false", "true"):
+            trainer, plan = build(sets + mesh_sets(axes), sp, devices, **plan_kw)
+            m, p = measure_step(trainer), plan.predicted
+            mesh = "x".join(f"{a}{n}" for a, n in axes.items())
+            rows.append([label, mesh, "on" if plan.layout.sequence_parallel else "off",
+                         plan.describe(), fmt_bytes(p.argument_bytes), fmt_bytes(m.argument_bytes),
+                         fmt_bytes(p.per_device_bytes - p.argument_bytes),
+                         fmt_bytes(m.temp_bytes), f"{p.comm_bytes_per_step / 2**20:,.2f} MiB",
+                         f"{m.collectives.total_bytes / 2**20:,.2f} MiB"])
+            print(" | ".join(rows[-1]), flush=True)
+    return rows
+
+
+def timing(axes: dict, rounds: int, steps: int) -> None:
+    """Step time on / off, the two compiled steps run interleaved in one process."""
+    devices = jax.devices()[:8]
+    runs = []
+    for sp in ("false", "true"):
+        trainer, _ = build(CPU + mesh_sets(axes), sp, devices)
+        batch = random_batch(trainer.example_batch, high=256)
+        batch = jax.device_put(batch, batch_sharding(trainer.layout, trainer.step_rules, batch))
+        step = trainer.compile(batch)
+        state = init_state(trainer.layout, trainer.model_fn, trainer.tx, 0)
+        state, m = step(state, batch)
+        jax.block_until_ready(m)
+        runs.append([step, state, batch])
+    times: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for i, run in enumerate(runs):
+            step, state, batch = run
+            start = time.perf_counter()
+            for _ in range(steps):
+                state, m = step(state, batch)
+            jax.block_until_ready((state, m))
+            times[i].append((time.perf_counter() - start) / steps)
+            run[1] = state
+    ratios = [on / off for off, on in zip(*times)]
+    mesh = "x".join(f"{a}{n}" for a, n in axes.items())
+    print(f"{mesh}: step time off median {statistics.median(times[0]) * 1e3:.1f} ms, on "
+          f"{statistics.median(times[1]) * 1e3:.1f} ms; on / off per round: median "
+          f"{statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f} "
+          f"({rounds} rounds x {steps} steps)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", action="store_true", help="also compile for 8 deviceless H100s")
+    ap.add_argument("--rounds", type=int, default=7, help="0: bytes only, no timing")
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    head = ["backend", "mesh", "SP", "plan", "args pred", "args", "temp pred", "temp",
+            "collectives pred", "collectives"]
+    rows = byte_rows(CPU, jax.devices()[:8], "CPU", MESHES)
+    if args.gpu:
+        from jaxmp.topology import gpu_topology, without_persistent_cache
+
+        without_persistent_cache()
+        # not the pipeline: cuDNN's attention does not lower inside the executor's shard_map
+        rows += byte_rows(GPU, list(gpu_topology(8, "H100").devices), "GPU (H100, deviceless)",
+                          MESHES[:2], device_kind="H100", platform="cuda")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    if args.rounds:
+        timing(MESHES[0], args.rounds, args.steps)
+
+
+if __name__ == "__main__":
+    main()

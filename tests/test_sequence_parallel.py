@@ -1,0 +1,278 @@
+"""Sequence parallelism (``train.sequence_parallel``): the residual stream's sequence sharded
+over ``tensor`` by the rules alone. The step equals the plain one-device step in float32 (loss,
+gradients, params after 3 steps) alone and with stage x data x tensor; a research model that
+names its activations gets it too; the planner decides and predicts it; the compiled program's
+temporary bytes fall as predicted while its collective bytes stay."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxmp
+from jaxmp import rules as R
+from jaxmp._util.env import cuda_plugin_installed
+from jaxmp.checkpoint.records import to_plain
+from jaxmp.errors import ConfigError
+from jaxmp.hlo import collective_stats
+from jaxmp.models import lm_loss
+from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
+from jaxmp.recipes.published import GPT3_175B
+from jaxmp.tools.measure import measure_step
+from jaxmp.topology import gpu_topology
+from jaxmp.train.state import init_state
+from jaxmp.train.step import batch_sharding, make_grad_fn
+from helpers import lm_batch, one_device
+
+BASE = ["model.layers=4", "model.d_model=64", "model.heads=4", "model.vocab_size=128",
+        "train.batch_size=16", "data.seq_len=32", "data.source=synthetic",
+        "optimizer.eps=1e-4", "optimizer.warmup_steps=1", "optimizer.lr=1e-3"]
+AXES = ("data", "stage", "fsdp", "tensor")
+
+
+# ---------------------------------------------------------------- the rules
+
+
+def test_only_the_residual_stream_takes_tensor_on_its_sequence():
+    """First free match: heads, mlp and vocab keep tensor; only [batch, seq, embed] shards
+    its sequence; parameters and the plain rules are untouched."""
+    sp = R.sequence_parallel_rules(R.DEFAULT_RULES)
+    assert R.sequence_parallel_rules(sp) == sp
+    mesh = {"data": 2, "stage": 1, "fsdp": 1, "tensor": 4}
+    spec = lambda names, shape, rules=sp: R.resolve(names, shape, mesh, rules).spec
+    P = jax.sharding.PartitionSpec
+    assert spec(("batch", "seq", "act_embed"), (8, 32, 64)) == P("data", "tensor")
+    assert spec(("batch", "seq", "act_embed"), (8, 32, 64), R.DEFAULT_RULES) == P("data")
+    assert spec(("batch", "seq", "act_heads", None), (8, 32, 4, 16)) == P("data", None, "tensor")
+    assert spec(("batch", "seq", "act_mlp"), (8, 32, 256)) == P("data", None, "tensor")
+    assert spec(("batch", "seq", "act_vocab"), (8, 32, 128)) == P("data", None, "tensor")
+    assert spec(("embed", "mlp"), (64, 256)) == spec(("embed", "mlp"), (64, 256), R.DEFAULT_RULES)
+    assert R.shards_sequence(sp, mesh) and not R.shards_sequence(R.DEFAULT_RULES, mesh)
+    assert not R.shards_sequence(sp, {**mesh, "tensor": 1})
+
+
+# ---------------------------------------------------------------- equivalence, through the Trainer
+
+
+def _trainer(*sets, devices=None):
+    config = jaxmp.load_config(None, BASE + list(sets))
+    return gpt_trainer(config, devices=devices or jax.devices()[:8], with_data=False)
+
+
+def _three_steps(trainer):
+    """(loss, grads, params after 3 steps, losses) with the Trainer's own step; pipelined
+    stacks back in the plain layer order."""
+    batch = lm_batch(batch=16, seq=32, vocab=128)
+    layout = trainer.layout
+    gbatch = jax.device_put(batch, batch_sharding(layout, trainer.step_rules, batch))
+    state = init_state(layout, trainer.model_fn, trainer.tx, 0)
+    # the Trainer's own gradient runs inside its per-replica reducer: take the same function
+    # with the data axis, as a plain jit can call it
+    grad_fn = trainer.executor.grad_fn(trainer.step_rules) if trainer.executor else \
+        make_grad_fn(layout, lm_loss, 1, trainer.step_rules)
+    loss, grads, _, _ = jax.jit(grad_fn)(state.params, state.rest, gbatch)
+    step, losses = trainer.compile(gbatch), []
+    for _ in range(3):
+        state, m = step(state, gbatch)
+        losses.append(float(m["loss"]))
+    plain = (lambda t: t) if trainer.stages is None else _unstage(trainer.stages.split)
+    return float(loss), plain(grads), plain(state.params), losses
+
+
+def _unstage(split):
+    index = split.flat_index()
+
+    def plain(tree):
+        out = dict(_pure(tree))
+        out["blocks"] = jax.tree.map(lambda a: to_plain(a, index), out["blocks"])
+        return out
+
+    return plain
+
+
+def _pure(tree):
+    return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _three_steps(_trainer("mesh.data=1", "mesh.stage=1", "mesh.fsdp=1", "mesh.tensor=1",
+                                 "train.sequence_parallel=false", devices=one_device()))
+
+
+@pytest.mark.parametrize("axes", [(2, 1, 1, 4), (2, 2, 1, 2)],
+                         ids=["data2xtensor4", "stage2xdata2xtensor2"])
+def test_sequence_parallel_step_equals_one_device(axes, reference):
+    sets = [f"mesh.{a}={n}" for a, n in zip(AXES, axes)] + ["train.sequence_parallel=true"]
+    trainer = _trainer(*sets)
+    assert trainer.plan.layout.sequence_parallel
+    assert trainer.executed_layout() == trainer.plan.layout
+    ref_loss, ref_grads, ref_params, ref_losses = reference
+    loss, grads, params, losses = _three_steps(trainer)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for got, ref in ((grads, ref_grads), (params, ref_params)):
+        for g, r in zip(jax.tree.leaves(_pure(got)), jax.tree.leaves(_pure(ref)), strict=True):
+            r = np.asarray(r)
+            np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
+
+
+# ---------------------------------------------------------------- a research model
+
+
+class _Research(nnx.Module):
+    """Stock nnx layers, activations named the ordinary way through rules.constrain."""
+
+    def __init__(self, rngs: nnx.Rngs, vocab: int = 128, d: int = 64):
+        part = nnx.with_partitioning
+        init = nnx.initializers.normal(0.02)
+        self.embed = nnx.Embed(vocab, d, embedding_init=part(init, ("vocab", "embed")),
+                               rngs=rngs)
+        self.norm = nnx.LayerNorm(d, scale_init=part(nnx.initializers.ones, ("norm",)),
+                                  use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(d, 4 * d, kernel_init=part(init, ("embed", "mlp")),
+                             use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(4 * d, d, kernel_init=part(init, ("mlp", "embed")),
+                               use_bias=False, rngs=rngs)
+        self.head = nnx.Linear(d, vocab, kernel_init=part(init, ("embed", "vocab")),
+                               use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = R.constrain(self.embed(tokens), ("batch", "seq", "act_embed"))
+        h = R.constrain(jax.nn.gelu(self.up(self.norm(x))), ("batch", "seq", "act_mlp"))
+        x = R.constrain(x + self.down(h), ("batch", "seq", "act_embed"))
+        return self.head(x)
+
+
+def _research_loss(model, batch):
+    logits = model(batch["inputs"]).astype(jnp.float32)
+    hot = jax.nn.one_hot(batch["targets"], logits.shape[-1])
+    return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.sum(logits * hot, -1))
+
+
+def _research(sp, devices, tmp_path):
+    batch = lm_batch(batch=8, seq=32, vocab=128)
+    config = jaxmp.load_config(None, [f"mesh.data={len(devices) // min(4, len(devices))}",
+                                      f"mesh.tensor={min(4, len(devices))}", "mesh.fsdp=1",
+                                      "mesh.stage=1", "train.batch_size=8",
+                                      f"train.sequence_parallel={str(sp).lower()}",
+                                      "optimizer.eps=1e-4"], schema=jaxmp.TrainerConfig)
+    return jaxmp.Trainer(config, lambda rngs: _Research(rngs), _research_loss, None,
+                         devices=devices, example_batch=batch, run_dir=tmp_path), batch
+
+
+def test_a_research_model_that_names_its_activations_gets_it(tmp_path):
+    """A stock-nnx model on data2 x tensor4: planned with "auto", its residual stream is
+    sequence-sharded in the compiled step (one reduce-scatter + all-gather pair where the plain
+    step all-reduces), and its loss and gradients equal one device's."""
+    on, batch = _research("auto", jax.devices()[:8], tmp_path / "on")
+    assert on.plan.layout.sequence_parallel and on.executed_layout() == on.plan.layout
+    off, _ = _research(False, jax.devices()[:8], tmp_path / "off")
+    assert not off.executed_layout().sequence_parallel
+    kinds = [{k: v for k, v in collective_stats(t.compile(batch)).count_by_kind.items() if v}
+             for t in (off, on)]
+    assert "reduce-scatter" not in kinds[0] and kinds[1].get("reduce-scatter", 0) >= 1
+    ref, _ = _research(False, one_device(), tmp_path / "ref")
+    results = []
+    for t in (on, ref):
+        state = init_state(t.layout, t.model_fn, t.tx, 0)
+        gb = jax.device_put(batch, batch_sharding(t.layout, t.step_rules, batch))
+        results.append(jax.jit(make_grad_fn(t.layout, _research_loss, 1, t.step_rules))(
+            state.params, state.rest, gb))
+    np.testing.assert_allclose(float(results[0][0]), float(results[1][0]), rtol=1e-6)
+    for g, r in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(results[1][1]), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5,
+                                   atol=1e-6 * np.abs(np.asarray(r)).max())
+
+
+# ---------------------------------------------------------------- the planner
+
+
+def test_auto_chooses_it_with_tensor_and_says_so():
+    plan = gpt_plan(jaxmp.load_config(None, BASE + ["mesh.data=2", "mesh.tensor=4",
+                                                    "mesh.stage=1", "mesh.fsdp=1"]), 8)
+    assert plan.layout.sequence_parallel and "sequence parallel" in plan.describe()
+    assert plan.to_json()["layout"]["sequence_parallel"] is True
+    plain = gpt_plan(jaxmp.load_config(None, BASE + ["mesh.data=8"]), 8)
+    assert not plain.layout.sequence_parallel  # nothing to shard without tensor
+    with pytest.raises(ConfigError, match="train.sequence_parallel"):
+        gpt_plan(jaxmp.load_config(None, BASE + ["mesh.tensor=8", "mesh.data=1", "mesh.stage=1",
+                                                 "mesh.fsdp=1", "data.seq_len=36",
+                                                 "train.sequence_parallel=true"]), 8)
+
+
+# ---------------------------------------------------------------- compiled bytes
+
+
+def test_compiled_temporaries_fall_as_predicted_and_collectives_stay():
+    """data2 x tensor4, 8 layers: the compiled step's temporary bytes fall by the predicted
+    amount (±10 %), its argument bytes and collective bytes stay (±2 %: the embedding lookup's
+    forward all-reduce is the one collective that is not split in two)."""
+    sets = ["model.layers=8", "model.d_model=128", "model.heads=8", "model.vocab_size=256",
+            "train.batch_size=16", "data.seq_len=64", "mesh.data=2", "mesh.tensor=4",
+            "mesh.stage=1", "mesh.fsdp=1", "train.microbatches=1"]
+    rows = []
+    for sp in ("false", "true"):
+        config = jaxmp.load_config(None, sets + [f"train.sequence_parallel={sp}"])
+        plan = gpt_plan(config, 8)
+        trainer = gpt_trainer(config, devices=jax.devices()[:8], with_data=False, plan=plan)
+        m, p = measure_step(trainer), plan.predicted
+        rows.append((p.per_device_bytes - p.argument_bytes, m.temp_bytes, p.argument_bytes,
+                     m.argument_bytes, p.comm_bytes_per_step, m.collectives.total_bytes))
+    (pt0, ct0, pa0, ca0, pc0, cc0), (pt1, ct1, pa1, ca1, pc1, cc1) = rows
+    assert pt1 < 0.8 * pt0
+    assert (ct0 - ct1) == pytest.approx(pt0 - pt1, rel=0.10)
+    assert pa1 == pa0 and ca1 == pytest.approx(ca0, rel=0.01)
+    assert pc1 == pc0 and cc1 == pytest.approx(cc0, rel=0.02)
+
+
+# ---------------------------------------------------------------- the GPU compiler, deviceless
+
+
+@pytest.mark.skipif(not cuda_plugin_installed(),
+                    reason='JAX\'s CUDA plugin is not installed: pip install -e ".[cuda]"')
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry:UserWarning")
+def test_gpu_compiler_peak_as_predicted_with_and_without():
+    """8 deviceless H100s, data2 x tensor4, 4 layers of width 2048 at sequence 2048 in bf16:
+    the GPU compiler's per-device peak within ±10 % of the prediction with sequence
+    parallelism off and on; on, the block's all-reduces are reduce-scatters + all-gathers and
+    the peak falls."""
+    topo = gpu_topology(8, "H100")
+    sets = ["model.layers=4", "model.d_model=2048", "model.heads=16", "model.vocab_size=1024",
+            "model.compute_dtype=bfloat16", "data.seq_len=2048", "data.source=synthetic",
+            "train.batch_size=8", "mesh.data=2", "mesh.stage=1", "mesh.fsdp=1", "mesh.tensor=4",
+            "train.microbatches=1", "model.remat=none"]
+    peaks = []
+    for sp in ("false", "true"):
+        config = jaxmp.load_config(None, sets + [f"train.sequence_parallel={sp}"])
+        plan = gpt_plan(config, 8, device_kind="H100", platform="cuda")
+        trainer = gpt_trainer(config, devices=list(topo.devices), with_data=False, plan=plan)
+        m = measure_step(trainer)
+        assert plan.layout.sequence_parallel == (sp == "true")
+        assert plan.predicted.per_device_bytes == pytest.approx(m.peak_bytes, rel=0.10)
+        assert (m.collectives.count_by_kind["reduce-scatter"] > 0) == (sp == "true")
+        peaks.append(m.peak_bytes)
+    assert peaks[1] < 0.85 * peaks[0]
+
+
+def test_nemo_gpt3_175b_layout_with_sequence_parallelism():
+    """NeMo's GPT-3 175B on 128 H100 (t4 x p8 x d4, interleaved x6, 64 microbatches of one
+    sequence): sequence parallelism alone divides the stashed residuals and the stage
+    boundary's buffers and sends by tensor, leaves the state as it was, and is no slower."""
+    sets = [s for s in GPT3_175B if not s.startswith("train.batch_size")] + [
+        "train.batch_size=256", "device.usable_fraction=0.95", "mesh.data=4", "mesh.stage=8",
+        "mesh.tensor=4", "mesh.fsdp=1", "pipeline.schedule=interleaved",
+        "pipeline.virtual_stages=6", "train.microbatches=64", "model.remat=full"]
+    off, on = (gpt_plan(jaxmp.load_config(None, sets + [f"train.sequence_parallel={sp}"]), 128,
+                        "H100", find_devices_needed=False).predicted
+               for sp in ("false", "true"))
+    parts = lambda p: {k.split(":")[0]: v for k, v in p.activation_parts.items()}
+    assert parts(on)["residuals"] == pytest.approx(parts(off)["residuals"] / 4, rel=0.01)
+    assert on.activation_bytes == pytest.approx(off.activation_bytes / 4, rel=0.01)
+    assert on.comm_bytes["stage"] < off.comm_bytes["stage"]
+    assert on.param_bytes + on.optimizer_bytes + on.grad_bytes == \
+        off.param_bytes + off.optimizer_bytes + off.grad_bytes
+    assert on.step_time_s <= off.step_time_s
+    assert off.per_device_bytes - on.per_device_bytes > 4 * 2**30

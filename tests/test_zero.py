@@ -175,7 +175,10 @@ GPT = ["model.layers=2", "model.d_model=64", "model.heads=8", "model.mlp_dim=256
 def test_argument_bytes_fall_as_predicted_and_collective_bytes_stay(mesh):
     out = {}
     for z in ("none", "data"):
-        t = gpt_trainer(jaxmp.load_config(None, GPT + mesh + [f"train.optimizer_sharding={z}"]),
+        # sequence parallelism off: with it on as well, data 4 x tensor 2 sends 10 % more
+        # (634,822 -> 700,466 B; docs/benchmarks.md), which this test would not isolate
+        t = gpt_trainer(jaxmp.load_config(None, GPT + mesh + [f"train.optimizer_sharding={z}",
+                                                              "train.sequence_parallel=false"]),
                         "unused", with_data=False)
         assert t.executed_layout() == t.plan.layout
         c = t.compile()

@@ -49,6 +49,10 @@ class DeviceProfile:
     # The backend computes 16-bit matmuls in float32 (XLA:CPU): their activations and the
     # collectives on them are float32-sized.
     upcasts_16bit: bool = False
+    # The compiler sums the partial input gradients of the tensor-split matrices that read one
+    # input before all-reducing them (XLA's all-reduce reassociation on GPUs): one backward
+    # all-reduce per row-parallel matrix instead of one per matrix (XLA:CPU).
+    reassociates_all_reduce: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -79,7 +83,7 @@ PROFILES: dict[str, DeviceProfile] = {
     # (scripts/measure.py device-efficiency on 2 cores: 0.009 of 0.018 TFLOP/s).
     "CPU": DeviceProfile("CPU", 5e10, 16 * GiB, 1e10, 1e9, devices_per_host=0,
                          usable_fraction=0.8, efficiency=0.5, overlap=False, shared_host=True,
-                         upcasts_16bit=True),
+                         upcasts_16bit=True, reassociates_all_reduce=False),
 }
 OVERRIDABLE = tuple(f.name for f in dataclasses.fields(DeviceProfile)
                     if f.name not in ("kind", "shared_host", "upcasts_16bit", "overlap"))

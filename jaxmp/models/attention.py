@@ -23,11 +23,13 @@ CUDNN_DTYPES = ("bfloat16", "float16")
 # compile for an H100 on a CPU host only accepts 128: the portable limit.
 CUDNN_MAX_HEAD_DIM = 128
 # jax's cuDNN attention partitions itself (custom partitioning) from its operands'
-# PartitionSpecs; inside the pipeline's shard_map over ``stage`` (the other axes automatic)
-# XLA hands it shardings without one and the compile fails (jax 0.10.2: "'GSPMDSharding'
-# object has no attribute 'spec'"). So a layout with stages runs XLA's attention.
-PIPELINE_BLOCKER = ("cuDNN's attention does not partition inside the pipeline's "
-                    "shard_map over stage (jax's custom partitioning)")
+# PartitionSpecs; inside a shard_map over part of the mesh (the pipeline's over ``stage``, the
+# gradient reducer's over ``data``; the other axes automatic) XLA hands it shardings without
+# one and the compile fails (jax 0.10.2: "'GSPMDSharding' object has no attribute 'spec'").
+# So such layouts run XLA's attention.
+SHARD_MAP_BLOCKER = ("cuDNN's attention does not partition inside a shard_map over part of "
+                     "the mesh (pipeline stages, or the gradient reduction after "
+                     "microbatches: jax's custom partitioning)")
 
 
 @dataclass(frozen=True)

@@ -299,14 +299,16 @@ class Context:
         return out
 
     def table(self, remat: str, data: int, fsdp: int, tensor: int,
-              microbatches: int, sp: bool = False) -> LayerTable:
+              microbatches: int, sp: bool = False, staged: bool = False) -> LayerTable:
         """The :class:`LayerTable` of one (remat, mesh, microbatches, sequence parallelism),
-        computed once per group of identical layers and cached."""
-        return self.cached(("table", remat, data, fsdp, tensor, microbatches, sp),
-                           lambda: self._table(remat, data, fsdp, tensor, microbatches, sp))
+        computed once per group of identical layers and cached; ``staged``: run in a
+        pipeline's ticks."""
+        return self.cached(("table", remat, data, fsdp, tensor, microbatches, sp, staged),
+                           lambda: self._table(remat, data, fsdp, tensor, microbatches, sp,
+                                               staged))
 
     def _table(self, remat: str, data: int, fsdp: int, tensor: int,
-               microbatches: int, sp: bool) -> LayerTable:
+               microbatches: int, sp: bool, staged: bool) -> LayerTable:
         cost = self.cost
         rows = cost.rows / (data * fsdp * microbatches)
         bw_tensor = self.link_bw({"data": data, "stage": 1, "fsdp": fsdp,
@@ -334,8 +336,12 @@ class Context:
             flops = lay.flops(remat) * rows / cost.rows / (tensor if sh.tensor_dims else 1)
             # Full remat recomputes the forward, with its row-parallel all-reduces (all but the
             # last: the layer's own output is not needed again).
-            n_all_reduce = sh.tensor_weights + (max(0, sh.row_parallel - 1) if remat == "full"
-                                                else 0)
+            column = sh.tensor_weights - sh.row_parallel  # their input gradients: all-reduced
+            backward = min(column, max(sh.row_parallel, 1)) if \
+                self.profile.reassociates_all_reduce and not staged else column  # (devices.py;
+            # measured: not inside a pipeline's ticks, docs/planner.md §7)
+            n_all_reduce = sh.row_parallel + backward + (max(0, sh.row_parallel - 1)
+                                                         if remat == "full" else 0)
             tensor_bytes = n_all_reduce * 2 * (tensor - 1) / tensor * io if tensor > 1 else 0.0
             gathers = 2.0 if regather else 1.0
             fsdp_bytes = (fsdp - 1) / fsdp * (gathers * sh.gather_wire + sh.reduce_wire

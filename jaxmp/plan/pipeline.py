@@ -93,7 +93,7 @@ class _Terms:
 def _terms(ctx: Context, remat: str, data: int, fsdp: int, tensor: int,
            microbatches: int, sp: bool = False) -> _Terms:
     def make() -> _Terms:
-        table = ctx.table(remat, data, fsdp, tensor, microbatches, sp)
+        table = ctx.table(remat, data, fsdp, tensor, microbatches, sp, staged=True)
         lo, hi = ctx.span
         shared, shared_opt = ctx.outside_stack(fsdp, tensor)
         return _Terms(table.row(lo), float(table.saved[:lo].sum()),

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from jaxmp.hlo import KINDS
 from jaxmp.mesh import resolve_axes
 from jaxmp.plan import Plan, make_plan
 from jaxmp.recipes.gpt import gpt_config, gpt_plan, gpt_trainer
+from jaxmp.tools.aot import captured_stderr, remat_shortfall
 from jaxmp.tools.measure import executed_collectives, measure_step, rel_err
 from jaxmp.tools.strategies import StrategySpec, full_mesh
 from jaxmp.train import Trainer
@@ -243,22 +245,34 @@ def _memory_limit(device: Any, plan: Plan | None) -> float:
 
 
 def measure_row(row: Row, trainer: Trainer, batch: dict, steps: int, warmup: int,
-                limit: float, model_flops: float, peak: float) -> None:
+                limit: float, model_flops: float, peak: float, compile_only: str = "") -> None:
     """Compile ``trainer``'s step, read memory and collectives, time it on ``batch``, then run
-    one more step under the profiler for the collectives each device executed."""
+    one more step under the profiler for the collectives each device executed.
+    ``compile_only``: why the step is compiled but not run (deviceless GPUs: ``--aot``); then
+    XLA's rematerialization warning counts as not fitting, as in ``jaxmp plan --aot``."""
     start = time.perf_counter()
-    m = measure_step(trainer)
+    with captured_stderr() as said:
+        m = measure_step(trainer)
     row.compile_s = time.perf_counter() - start
+    short = remat_shortfall(said)
+    others = [line for line in said if remat_shortfall([line]) is None]
+    if others:  # not ours to swallow
+        print("\n".join(others), file=sys.stderr)
     row.argument_bytes, row.temp_bytes = m.argument_bytes, m.temp_bytes
     row.peak_bytes = m.peak_bytes
     row.collective_bytes = {k: float(m.one_branch.get(k, 0.0)) for k in KINDS}
     row.collective_bytes_static = m.collective_bytes
     row.collective_bytes_raw = float(m.collectives.raw_total_bytes)
     row.collectives_from = "static"
-    if m.peak_bytes > limit:
+    if m.peak_bytes > limit or (short is not None and compile_only):
         row.status = "compiled only"
         row.reason = (f"does not fit: compiled peak {fmt_bytes(m.peak_bytes)} > "
-                      f"{fmt_bytes(limit)} per device")
+                      f"{fmt_bytes(limit)} per device" if m.peak_bytes > limit else
+                      f"does not fit: XLA's rematerialization pass needs "
+                      f"{fmt_bytes(short['needed_bytes'])} > {fmt_bytes(short['limit_bytes'])}")
+        return
+    if compile_only:
+        row.status, row.reason = "compiled only", compile_only
         return
     spec = batch_spec(trainer.mesh, trainer.rules, next(iter(batch.values())).shape[0])
     on_mesh = to_global(batch, trainer.mesh, spec)
@@ -272,6 +286,10 @@ def measure_row(row: Row, trainer: Trainer, batch: dict, steps: int, warmup: int
     row.tokens_per_s = batch_tokens(batch) / dt
     row.model_flops_per_s = model_flops / dt
     row.mfu = row.model_flops_per_s / peak
+
+
+AOT_REASON = ("compiled for deviceless GPUs (--aot): memory and bytes are the GPU program's; "
+              "time is not measurable without a GPU (the step time is the planner's)")
 
 
 def _failure(e: Exception) -> str:
@@ -296,7 +314,7 @@ def run_bench(config: TrainerConfig, make_trainer: MakeTrainer, specs: Sequence[
               devices: Sequence[Any], *, plan_for: PlanFor | None = None,
               batch: dict | None = None, model_flops_per_step: float | None = None,
               steps: int = 10, warmup: int = 2,
-              log: Callable[[str], None] = lambda s: None) -> Bench:
+              log: Callable[[str], None] = lambda s: None, compile_only: str = "") -> Bench:
     """Measure every strategy in ``specs`` on ``devices``.
 
     ``make_trainer(config, devices, plan)`` builds the Trainer that runs ``plan`` (its config's
@@ -304,7 +322,8 @@ def run_bench(config: TrainerConfig, make_trainer: MakeTrainer, specs: Sequence[
     devices (default: :func:`default_planner` of a Trainer built data-parallel); ``batch`` a
     global batch of numpy arrays (default: random, shaped like the example batch);
     ``model_flops_per_step`` the model FLOPs behind MFU (default: the planner's cost without
-    recomputation).
+    recomputation); ``compile_only``: compile each strategy without running it, saying why
+    (deviceless GPUs).
     """
     devices = list(devices)
     n = len(devices)
@@ -351,7 +370,7 @@ def run_bench(config: TrainerConfig, make_trainer: MakeTrainer, specs: Sequence[
                 param_bytes = float(tree_bytes(trainer.layout.abstract.params))
                 measure_row(row, trainer, batch, steps, warmup,
                             _memory_limit(devices[0], plan), model_flops_per_step or
-                            float("nan"), peak)
+                            float("nan"), peak, compile_only)
             except Exception as e:  # noqa: BLE001 - one strategy failing is a row, not a crash
                 row.status, row.reason = "not run", _failure(e)
             finally:
@@ -366,9 +385,11 @@ def run_bench(config: TrainerConfig, make_trainer: MakeTrainer, specs: Sequence[
 
 
 def bench_gpt(config: Any, specs: Sequence[StrategySpec], devices: Sequence[Any],
-              steps: int = 10, warmup: int = 2, log: Callable[[str], None] = lambda s: None
-              ) -> Bench:
-    """``jaxmp bench``: the configured GPT, its planner costs and a random token batch."""
+              steps: int = 10, warmup: int = 2, log: Callable[[str], None] = lambda s: None,
+              device_kind: str | None = None, aot: bool = False) -> Bench:
+    """``jaxmp bench``: the configured GPT, its planner costs and a random token batch.
+    ``aot``: ``devices`` are deviceless GPUs of ``device_kind``; each strategy's step is
+    compiled by XLA's GPU compiler here, not run (``jaxmp bench --aot``)."""
     gcfg = gpt_config(config)
     shape = (config.train.batch_size, config.data.seq_len)
     rng = np.random.default_rng(config.train.seed)
@@ -378,9 +399,11 @@ def bench_gpt(config: Any, specs: Sequence[StrategySpec], devices: Sequence[Any]
     result = run_bench(
         config, lambda cfg, devs, plan: gpt_trainer(cfg, devices=devs, with_data=False,
                                                     plan=plan), specs, devices,
-        plan_for=lambda cfg: gpt_plan(cfg, n, measure_cpu=True), batch=batch,
+        plan_for=lambda cfg: gpt_plan(cfg, n, device_kind, measure_cpu=not aot,
+                                      platform="cuda" if aot else None), batch=batch,
         model_flops_per_step=gcfg.flops_per_token(shape[1]) * shape[0] * shape[1],
-        steps=steps, warmup=warmup, log=log)
+        steps=steps, warmup=warmup, log=log,
+        compile_only=AOT_REASON if aot else "")
     result.description = {"model": {"layers": gcfg.layers, "d_model": gcfg.d_model,
                                     "heads": gcfg.heads, "vocab_size": gcfg.vocab_size,
                                     "compute_dtype": gcfg.compute_dtype,

@@ -1,6 +1,7 @@
-"""The planner judged by XLA's GPU compiler at scale, without a GPU (docs/planner.md).
+"""The planner judged by XLA's GPU compiler at scale, without a GPU (docs/planner.md §7).
 
-    python scripts/deviceless_scale.py [--cases 8b 70b pipe] [--set KEY=VALUE ...]
+    python scripts/measure.py deviceless-scale [--cases 8b 70b 70b-stages pipe]
+        [--set KEY=VALUE ...]
 
 Each case is one ``jaxmp plan --verify --aot --json`` command, run in its own process and
 printed before it runs: the planner chooses the layout (or the case fixes the mesh), the
@@ -22,8 +23,14 @@ import subprocess
 import sys
 import time
 
+DOC = "docs/planner.md"  # and docs/benchmarks.md's compile times of the scale cases
+DEVICES = False  # each case's command compiles for its own count of deviceless H100s
+
 GPT = ["model.activation=swiglu", "model.tie_embeddings=false", "model.vocab_size=128256",
        "model.compute_dtype=bfloat16", "model.remat=auto", "data.source=synthetic"]
+# Llama-3-70B's shape, batch 64 x 8192.
+LLAMA_70B = [*GPT, "model.layers=80", "model.d_model=8192", "model.heads=64", "model.kv_heads=8",
+             "model.mlp_dim=28672", "data.seq_len=8192", "train.batch_size=64"]
 CASES = {
     # Llama-3-8B's shape, batch 8 x 8192 on one host of 8 H100s, fsdp 8.
     "8b": (8, [*GPT, "model.layers=32", "model.d_model=4096", "model.heads=32",
@@ -31,13 +38,9 @@ CASES = {
                "train.batch_size=8", "mesh.data=1", "mesh.stage=1", "mesh.fsdp=8",
                "mesh.tensor=1"]),
     # Llama-3-70B's shape, batch 64 x 8192 on 8 hosts of 8 H100s, the planner's layout.
-    "70b": (64, [*GPT, "model.layers=80", "model.d_model=8192", "model.heads=64",
-                 "model.kv_heads=8", "model.mlp_dim=28672", "data.seq_len=8192",
-                 "train.batch_size=64"]),
+    "70b": (64, LLAMA_70B),
     # The issue's layout of the 70B case: stage 4 x fsdp 2 x tensor 8.
-    "70b-stages": (64, [*GPT, "model.layers=80", "model.d_model=8192", "model.heads=64",
-                        "model.kv_heads=8", "model.mlp_dim=28672", "data.seq_len=8192",
-                        "train.batch_size=64", "mesh.data=1", "mesh.stage=4", "mesh.fsdp=2",
+    "70b-stages": (64, [*LLAMA_70B, "mesh.data=1", "mesh.stage=4", "mesh.fsdp=2",
                         "mesh.tensor=8"]),
     # A 34B (CodeLlama-34B's shape) pipelined stage 2 x tensor 8 x data 2 on 4 hosts of 8.
     "pipe": (32, [*GPT, "model.layers=48", "model.d_model=8192", "model.heads=64",
@@ -72,11 +75,12 @@ def row(name: str, out: dict, wall: float) -> str:
             f"{coll['loop_all_gathers_exposed']} of {coll['loop_all_gathers']} |")
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     rows = []
     for name in args.cases:
         n, sets = CASES[name]
@@ -96,7 +100,3 @@ def main(argv: list[str]) -> int:
     print("|---|---|---:|---:|---:|---|---:|")
     print("\n".join(rows))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

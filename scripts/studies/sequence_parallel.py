@@ -1,13 +1,14 @@
 """Sequence parallelism off / on: per-device bytes of the compiled step, and its step time.
 
-    python scripts/bench_sequence_parallel.py            # 8 simulated CPU devices
-    JAX_PLATFORMS=cpu python scripts/bench_sequence_parallel.py --gpu   # + deviceless 8 x H100
+    python scripts/measure.py sequence-parallel --simulate-devices 8         # 8 CPU devices
+    python scripts/measure.py sequence-parallel --simulate-devices 8 --gpu   # + 8 x H100
 
 Prints docs/benchmarks.md's tables: for each mesh, the planner's prediction and the compiled
 step's argument, temporary and collective bytes per device with ``train.sequence_parallel``
-false and true (CPU: the test-size GPT at sequence 256; ``--gpu``: the GPU compiler for 8
-deviceless H100s, a 4-layer 2048-wide GPT at sequence 2048 in bf16), then the step time on
-the CPU devices: the two steps run interleaved A B A B (``--rounds`` rounds of ``--steps``
+false and true (on the devices: the test-size GPT at sequence 256; ``--gpu``: the GPU compiler
+for 8 deviceless H100s, a 4-layer 2048-wide GPT at sequence 2048 in bf16, which needs the CPU
+backend — ``--simulate-devices`` gives it — and JAX's CUDA plugin), then the step time on
+the devices: the two steps run interleaved A B A B (``--rounds`` rounds of ``--steps``
 steps each after a warm-up), the ratio on / off per round, its median and spread.
 """
 from __future__ import annotations
@@ -16,19 +17,11 @@ import argparse
 import statistics
 import time
 
-from jaxmp._util.env import simulate_devices
+from studies import common
+from studies.common import devices as present
 
-simulate_devices(8)
-
-import jax  # noqa: E402
-
-import jaxmp  # noqa: E402
-from jaxmp._util.fmt import fmt_bytes  # noqa: E402
-from jaxmp.recipes.gpt import gpt_plan, gpt_trainer  # noqa: E402
-from jaxmp.tools.bench import random_batch  # noqa: E402
-from jaxmp.tools.measure import measure_step  # noqa: E402
-from jaxmp.train.state import init_state  # noqa: E402
-from jaxmp.train.step import batch_sharding  # noqa: E402
+DOC = "docs/benchmarks.md"
+DEVICES = True  # the CPU rows and the timing run on 8 of them
 
 CPU = ["model.layers=8", "model.d_model=128", "model.heads=8", "model.vocab_size=256",
        "data.seq_len=256", "train.batch_size=16", "data.source=synthetic"]
@@ -40,11 +33,14 @@ MESHES = [{"data": 2, "tensor": 4}, {"tensor": 8}, {"stage": 2, "data": 2, "tens
 
 def mesh_sets(axes: dict) -> list[str]:
     """The mesh fixed; with stages, 4 microbatches of the pipeline (1F1B)."""
-    return [f"mesh.{a}={axes.get(a, 1)}" for a in ("data", "stage", "fsdp", "tensor")] + \
-        [f"train.microbatches={4 if axes.get('stage', 1) > 1 else 1}"]
+    microbatches = 4 if axes.get("stage", 1) > 1 else 1
+    return common.mesh_sets(axes) + [f"train.microbatches={microbatches}"]
 
 
 def build(sets: list[str], sp: str, devices: list, **plan_kw):
+    import jaxmp
+    from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
+
     config = jaxmp.load_config(None, sets + [f"train.sequence_parallel={sp}"])
     plan = gpt_plan(config, len(devices), **plan_kw)
     return gpt_trainer(config, devices=devices, with_data=False, plan=plan), plan
@@ -52,6 +48,9 @@ def build(sets: list[str], sp: str, devices: list, **plan_kw):
 
 def byte_rows(sets: list[str], devices: list, label: str, meshes: list[dict],
               **plan_kw) -> list[list[str]]:
+    from jaxmp._util.fmt import fmt_bytes
+    from jaxmp.tools.measure import measure_step
+
     rows = []
     for axes in meshes:
         for sp in ("false", "true"):
@@ -67,9 +66,14 @@ def byte_rows(sets: list[str], devices: list, label: str, meshes: list[dict],
     return rows
 
 
-def timing(axes: dict, rounds: int, steps: int) -> None:
+def timing(devices: list, axes: dict, rounds: int, steps: int) -> None:
     """Step time on / off, the two compiled steps run interleaved in one process."""
-    devices = jax.devices()[:8]
+    import jax
+
+    from jaxmp.tools.bench import random_batch
+    from jaxmp.train.state import init_state
+    from jaxmp.train.step import batch_sharding
+
     runs = []
     for sp in ("false", "true"):
         trainer, _ = build(CPU + mesh_sets(axes), sp, devices)
@@ -98,15 +102,18 @@ def timing(axes: dict, rounds: int, steps: int) -> None:
           f"({rounds} rounds x {steps} steps)")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpu", action="store_true", help="also compile for 8 deviceless H100s")
-    ap.add_argument("--rounds", type=int, default=7, help="0: bytes only, no timing")
-    ap.add_argument("--steps", type=int, default=3)
-    args = ap.parse_args()
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu", action="store_true", help="also compile for 8 deviceless H100s")
+    p.add_argument("--rounds", type=int, default=7, help="0: bytes only, no timing")
+    p.add_argument("--steps", type=int, default=3)
+
+
+def run(args: argparse.Namespace) -> int:
+    devices = present(args, at_least=8)[:8]
+    backend = devices[0].platform.upper()
     head = ["backend", "mesh", "SP", "plan", "args pred", "args", "temp pred", "temp",
             "collectives pred", "collectives"]
-    rows = byte_rows(CPU, jax.devices()[:8], "CPU", MESHES)
+    rows = byte_rows(CPU, devices, backend, MESHES)
     if args.gpu:
         from jaxmp.topology import gpu_topology, without_persistent_cache
 
@@ -118,8 +125,5 @@ def main() -> None:
     for r in rows:
         print("| " + " | ".join(r) + " |")
     if args.rounds:
-        timing(MESHES[0], args.rounds, args.steps)
-
-
-if __name__ == "__main__":
-    main()
+        timing(devices, MESHES[0], args.rounds, args.steps)
+    return 0

@@ -1,24 +1,32 @@
-"""Per-device argument, temporary and collective bytes with the optimizer state replicated over
-data and sharded over it (``train.optimizer_sharding`` none / data), the prediction beside the
-compiled number: docs/benchmarks.md §"Optimizer state sharded over data".
+"""Bytes per device with the optimizer state replicated over data and sharded over it.
 
-    python scripts/zero_bytes.py cpu     # the test GPT on 8 simulated CPU devices
-    python scripts/zero_bytes.py gpu     # a 175B-wide slice on 32 deviceless H100s (CUDA plugin)
-    python scripts/zero_bytes.py time    # step time on 8 CPU devices, off and on interleaved
+    python scripts/measure.py optimizer-sharding cpu --simulate-devices 8
+    python scripts/measure.py optimizer-sharding gpu    # 32 deviceless H100s (CUDA plugin)
+    python scripts/measure.py optimizer-sharding time --simulate-devices 8
 
-The GPU case compiles the Trainer's own step with XLA's GPU compiler for deviceless H100s
-(``jaxmp.topology.gpu_topology``); its collective bytes are read from the compiled HLO.
+``train.optimizer_sharding`` none / data, the planner's prediction beside the compiled number:
+per-device argument, temporary and collective bytes of the train step (``cpu``: the test GPT
+on 8 devices; ``gpu``: a 175B-wide slice compiled by XLA's GPU compiler for 32 deviceless
+H100s, ``jaxmp.topology.gpu_topology``, its collective bytes read from the compiled HLO), or
+the step time off and on, interleaved (``time``, 8 devices). Every config pins
+``train.sequence_parallel=false``: the layouts with ``tensor`` > 1 would otherwise turn it on
+("auto"), and docs/benchmarks.md's numbers isolate the optimizer sharding.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import argparse
 import time
+
+from studies.common import devices
+
+DOC = "docs/benchmarks.md"
+DEVICES = True  # cpu and time run on 8 of them; gpu compiles for 32 deviceless H100s instead
+NO_SP = ["train.sequence_parallel=false"]  # measured before sequence parallelism existed
 
 CPU_GPT = ["model.layers=2", "model.d_model=64", "model.heads=8", "model.mlp_dim=256",
            "model.vocab_size=256", "model.tie_embeddings=false", "data.seq_len=16",
-           "train.batch_size=16", "checkpoint.enabled=false"]
+           "train.batch_size=16", "checkpoint.enabled=false", *NO_SP]
 CPU_MESHES = [["mesh.data=8"], ["mesh.data=4", "mesh.tensor=2"],
               ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
               ["mesh.data=8", "train.microbatches=2"],
@@ -32,7 +40,7 @@ GPU_GPT = ["model.layers=8", "model.d_model=12288", "model.heads=96", "model.voc
            "model.param_dtype=float32", "model.remat=full", "checkpoint.enabled=false",
            "data.source=synthetic", "mesh.data=2", "mesh.stage=4", "mesh.tensor=4",
            "mesh.fsdp=1", "pipeline.schedule=1f1b", "train.microbatches=8",
-           "pipeline.balance=layers", "model.attention=xla"]
+           "pipeline.balance=layers", "model.attention=xla", *NO_SP]
 # The same width without stages: 2 layers on data 4 x tensor 8 (XLA reduces the gradients),
 # cuDNN's flash attention.
 GPU_FLAT = [s for s in GPU_GPT if not s.startswith(("model.layers", "mesh.", "pipeline.",
@@ -58,10 +66,10 @@ def _row(label: str, trainer, measured, seconds: float) -> str:
 TIME_GPT = ["model.layers=4", "model.d_model=256", "model.heads=8", "model.vocab_size=1024",
             "data.seq_len=128", "train.batch_size=32", "checkpoint.enabled=false",
             "data.source=synthetic", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1",
-            "mesh.stage=1"]
+            "mesh.stage=1", *NO_SP]
 
 
-def step_times(rounds: int = 7, steps: int = 5) -> int:
+def step_times(devs: list, rounds: int = 7, steps: int = 5) -> int:
     """Seconds per step, off and on, in alternating rounds (A B A B ...): median and range."""
     import statistics
 
@@ -73,7 +81,7 @@ def step_times(rounds: int = 7, steps: int = 5) -> int:
     runs = {}
     for zero in ("none", "data"):
         config = jaxmp.load_config(None, TIME_GPT + [f"train.optimizer_sharding={zero}"])
-        t = gpt_trainer(config, "unused")
+        t = gpt_trainer(config, "unused", devices=devs)
         batch = t._to_global(next(iter(lm_batches(config))))
         state = init_state(t.layout, t.model_fn, t.tx, 0)
         runs[zero] = [t.compile(batch), state, batch, []]
@@ -96,18 +104,21 @@ def step_times(rounds: int = 7, steps: int = 5) -> int:
     return 0
 
 
-def main(where: str) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("part", nargs="?", default="cpu", choices=["cpu", "gpu", "time"],
+                   help="cpu: bytes on 8 devices; gpu: bytes on 32 deviceless H100s; time: "
+                        "step time on 8 devices (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    where = args.part
+    if where == "gpu":
+        from jaxmp._util.env import use_cpu
+
+        use_cpu()  # the CUDA plugin compiles for absent GPUs; it must not look for a driver
+    devs = [] if where == "gpu" else devices(args, at_least=8)[:8]
     if where == "time":
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   " --xla_force_host_platform_device_count=8")
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        return step_times()
-    if where == "cpu":
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   " --xla_force_host_platform_device_count=8")
-    else:
-        os.environ["JAX_PLATFORMS"] = "cpu"
+        return step_times(devs)
     import jaxmp
     from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
     from jaxmp.tools.measure import measure_step
@@ -115,14 +126,14 @@ def main(where: str) -> int:
     print("| layout | optimizer | argument bytes (predicted) | temporary bytes (predicted) | "
           "collective bytes (predicted) | compile |\n|---|---|---|---|---|---|")
     cases = [(" ".join(s.removeprefix("mesh.") for s in m), CPU_GPT + m) for m in CPU_MESHES] \
-        if where == "cpu" else [(k, v) for k, v in GPU_CASES.items() if where in ("gpu", k)]
+        if where == "cpu" else list(GPU_CASES.items())
     for label, base in cases:
         for zero in ("none", "data"):
             sets = base + [f"train.optimizer_sharding={zero}"]
             config = jaxmp.load_config(None, sets)
             start = time.perf_counter()
             if where == "cpu":
-                trainer = gpt_trainer(config, "unused", with_data=False)
+                trainer = gpt_trainer(config, "unused", devices=devs, with_data=False)
             else:
                 from jaxmp.topology import gpu_topology, without_persistent_cache
 
@@ -136,7 +147,3 @@ def main(where: str) -> int:
             measured = measure_step(trainer)
             print(_row(label, trainer, measured, time.perf_counter() - start), flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cpu"))

@@ -18,11 +18,12 @@ It knows no model and no trainer: models arrive as :class:`jaxmp.cost.ModelCost`
 
 from jaxmp.errors import PlanError
 from jaxmp.pipeline.balance import InfeasibleError, balance_stages, stage_sums
-from jaxmp.plan.context import Context, LayerTable, Prediction
+from jaxmp.plan.context import Context, LayerTable
 from jaxmp.plan.layout import Layout
 from jaxmp.plan.make import check_batch, make_plan
 from jaxmp.plan.plan import Plan, plan
 from jaxmp.plan.predict import predict
+from jaxmp.plan.prediction import Prediction
 from jaxmp.plan.search import PipelineOptions
 
 __all__ = ["Context", "InfeasibleError", "LayerTable", "Layout", "PipelineOptions", "Plan",

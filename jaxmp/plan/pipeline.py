@@ -32,8 +32,9 @@ from jaxmp.mesh import AXES
 from jaxmp.pipeline.footprint import buffer_slots, chunk_ranges
 from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import StageSplit
-from jaxmp.plan.context import STEP_STATE_BYTES, Context, Prediction, zero_divisor
+from jaxmp.plan.context import Context, zero_divisor
 from jaxmp.plan.layout import Layout
+from jaxmp.plan.prediction import STEP_STATE_BYTES, Prediction
 
 
 @dataclass(frozen=True)

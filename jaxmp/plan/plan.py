@@ -31,7 +31,8 @@ from jaxmp.cost import ModelCost
 from jaxmp.devices import DeviceProfile
 from jaxmp.errors import PlanError
 from jaxmp.pipeline.schedule import Schedule
-from jaxmp.plan.context import Context, Prediction
+from jaxmp.plan.context import Context
+from jaxmp.plan.prediction import Prediction
 from jaxmp.plan.layout import Layout
 from jaxmp.plan.search import (Candidate, PipelineOptions, SearchResult, choose, describe,
                                reason_lost, search)

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxmp.mesh import AXES
-from jaxmp.plan.context import (STEP_STATE_BYTES, Context, LayerTable, Prediction, overlapped,
-                                 zero_divisor)
+from jaxmp.plan.context import Context, LayerTable, overlapped, zero_divisor
 from jaxmp.plan.layout import Layout
 from jaxmp.plan.pipeline import predict_pipeline
+from jaxmp.plan.prediction import STEP_STATE_BYTES, Prediction
 
 
 def predict(ctx: Context, layout: Layout) -> Prediction:

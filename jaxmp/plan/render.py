@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jaxmp._util.fmt import fmt_bytes, fmt_flops, fmt_time, mesh_str, table
 from jaxmp.mesh import AXES
-from jaxmp.plan.context import Prediction
+from jaxmp.plan.prediction import Prediction
 from jaxmp.plan.plan import Plan
 
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 from jaxmp._util.fmt import fmt_bytes, fmt_time
 from jaxmp.mesh import AXES
-from jaxmp.plan.context import Context, Prediction
+from jaxmp.plan.context import Context
+from jaxmp.plan.prediction import Prediction
 from jaxmp.plan.layout import Layout
 from jaxmp.plan.predict import predict
 

@@ -43,6 +43,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxmp  # noqa: E402
+from jaxmp.cli.train import add_device_arguments  # noqa: E402
 from jaxmp.rules import constrain  # noqa: E402
 
 IMAGE = (16, 16, 3)
@@ -180,10 +181,7 @@ def make_trainer(config: jaxmp.TrainerConfig, run_dir: str, devices=None) -> jax
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--devices", type=int, default=None, metavar="N",
-                   help="the number of devices to train on: the first N present (default: all)")
-    p.add_argument("--simulate-devices", type=int, default=None, metavar="N",
-                   help="N simulated CPU devices (try the mesh without accelerators)")
+    add_device_arguments(p, "to train on: the first N present")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--run-dir", default="runs/custom")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

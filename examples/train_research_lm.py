@@ -46,6 +46,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxmp  # noqa: E402
+from jaxmp.cli.train import add_device_arguments  # noqa: E402
 from jaxmp import rules  # noqa: E402
 
 VOCAB, D_MODEL, HEADS, LAYERS, MLP, MAX_LEN = 256, 128, 8, 2, 512, 128
@@ -161,10 +162,7 @@ def make_trainer(config: jaxmp.Config, run_dir: str, devices=None,
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--devices", type=int, default=None, metavar="N",
-                   help="the number of devices to train on: the first N present (default: all)")
-    p.add_argument("--simulate-devices", type=int, default=None, metavar="N",
-                   help="N simulated CPU devices (try the mesh without accelerators)")
+    add_device_arguments(p, "to train on: the first N present")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--run-dir", default="runs/research-lm")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

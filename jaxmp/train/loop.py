@@ -150,6 +150,8 @@ class Trainer:
                                  self.extensions, transform)
         if planned.optimizer_sharding == "data":  # Adam state cut over data too (ZeRO-1)
             self.layout = zero.shard_state(self.layout)
+        self.sharded_update = zero.ShardedUpdate.of(self.layout) \
+            if zero.built(self.layout) == "data" else None
         checks.warn_idle_axes(self.layout, self.rules, path_rules, say)
         self.reducer = wire.reducer(planned, self.mesh, self.layout, path_rules)
         self.executor = None if self.stages is None else PipelineExecutor(
@@ -203,8 +205,7 @@ class Trainer:
         step = make_train_step(self.layout, self.loss_fn, self.tx, self.lr_schedule, batch,
                                self.accumulation, self.step_rules, self.config.train.seed,
                                grad_fn=self.grad_fn, gather=self.gather, reducer=reducer,
-                               guard=self.guard, zero=zero.ShardedUpdate.of(self.layout)
-                               if zero.built(self.layout) == "data" else None)
+                               guard=self.guard, zero=self.sharded_update)
         return self._compile(step.lower(self.layout.abstract, batch))
 
     def _compile(self, lowered: Any) -> Any:

@@ -39,9 +39,6 @@ from jaxmp.mesh import mesh_shape
 from jaxmp.sharding.optimizer import DATA, data_dim, over_data
 from jaxmp.train.state import StateLayout
 
-KINDS = ("none", "data")
-
-
 def _shape(x: Any) -> tuple[int, ...]:
     leaves = jax.tree.leaves(x)
     return tuple(leaves[0].shape) if leaves else ()

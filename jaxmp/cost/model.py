@@ -222,7 +222,7 @@ def _root_saved(model: Any, batch: Any, loss_fn: Callable | None, rows: int
 
 def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
                 tx: Any = None, policies: Sequence[str] = tuple(REMAT_POLICIES),
-                path_rules: Sequence | None = None) -> ModelCost:
+                path_rules: Sequence | None = None, root_model: Any = None) -> ModelCost:
     """Per-layer costs of ``model`` (an NNX module or ``model_fn(rngs)``) on ``batch``.
 
     ``batch`` is a pytree of arrays or ``jax.ShapeDtypeStruct`` whose leading dim is the global
@@ -230,6 +230,9 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
     of ``model(batch)``); ``tx`` sizes optimizer state (default: two moments per parameter,
     Adam); ``path_rules`` name parameters that carry no metadata, as in the Trainer.
     Nothing is executed or compiled: everything is traced on abstract values.
+    ``root_model``: the same model with fewer layers (its code outside the layers identical),
+    traced for the root's residuals instead: that trace runs with jit off, which unrolls
+    every loop, so a deep scanned stack would cost its depth there for nothing.
     """
     if not isinstance(model, nnx.Module):
         model = sharding.abstract(lambda: model(nnx.Rngs(0)))
@@ -242,7 +245,9 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
     att = _attribute(grad_jaxpr, len(all_leaves))
     order, root_reads = att["order"], att["root_reads"]
     warnings = att["warnings"]
-    root_saved, root_fused, res_one = _root_saved(model, batch, loss_fn, rows)
+    if root_model is not None and not isinstance(root_model, nnx.Module):
+        root_model = sharding.abstract(lambda: root_model(nnx.Rngs(0)))
+    root_saved, root_fused, res_one = _root_saved(root_model or model, batch, loss_fn, rows)
 
     def optimizer_bytes(params: Any) -> float:
         if tx is None:

@@ -144,8 +144,9 @@ def gpt_costs(config: Config, remats: Sequence[str] | None = None,
         # Trace with a scanned stack whatever the config says (one block: fast); the costs
         # are the same, only the fsdp re-gather of scanned weights depends on it.
         traced = dataclasses.replace(gcfg, scan_layers=True)
+        shallow = dataclasses.replace(traced, layers=1)  # the same root code, for its trace
         cost = model_costs(lambda rngs: GPT(traced, rngs=rngs), example_batch(config), lm_loss,
-                           policies=remats)
+                           policies=remats, root_model=lambda rngs: GPT(shallow, rngs=rngs))
         for lay in cost.layers:
             lay.in_loop = lay.kind == "block" and gcfg.scan_layers
         if len(_COST_CACHE) >= 4:

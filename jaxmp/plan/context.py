@@ -27,9 +27,9 @@ from jaxmp.devices import DeviceProfile
 from jaxmp.mesh import AXES
 from jaxmp.pipeline.footprint import fold, stack_span
 from jaxmp.pipeline.stages import StageSplit, split_layers
-from jaxmp.plan.sequence import regather_bytes
+from jaxmp.plan.sequence import choices as sequence_choices, regather_bytes
 from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
-                               reduction, sequence_parallel)
+                               reduction)
 from jaxmp.sharding.sequence import SEQ
 
 
@@ -50,6 +50,7 @@ class _Shard:
     grads: float = 0.0  # bytes per device of its gradients as the backward pass holds them
     row_itemsize: int = 4  # bytes per element of its row-parallel matrices (as stored)
     matrices: float = 0.0  # bytes per device of its float32 matmul weights (not lookups)
+    n_matrices: int = 0  # its weight matrices, split by tensor or not
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ class Context:
         out_item = wire_itemsize(self.compute_dtype or "float32", 4, up) \
             if self.compute_dtype in ("bfloat16", "float32") else 4
         local = gathered = unsharded = gather_wire = reduce_wire = cast = grads = matrices = 0.0
-        weights = rows = 0
+        weights = rows = n_matrices = 0
         row_item = 4
         tdims: set[int] = set()
         for leaf in lay.params:
@@ -204,11 +205,12 @@ class Context:
             tdims.update(int(leaf.shape[d]) for d in split)
             dims = [d for d, n in enumerate(leaf.names or ()) if n != "layers"]
             weights += bool(split) and len(dims) >= 2
+            n_matrices += len(dims) >= 2
             if len(dims) >= 2 and dims[0] in split:
                 rows += 1
                 row_item = max(1, leaf.nbytes // max(1, math.prod(leaf.shape)))
         return _Shard(local, gathered, unsharded, weights, rows, frozenset(tdims), gather_wire,
-                      reduce_wire, cast, grads, row_item, matrices)
+                      reduce_wire, cast, grads, row_item, matrices, n_matrices)
 
     def flops_per_step(self, remat: str) -> float:
         return self.cached(("flops", remat), lambda: self.cost.flops_per_step(remat))
@@ -336,11 +338,12 @@ class Context:
         return self.cached(("split", remat, stages, virtual), make)
 
     def layout(self, sizes: Mapping[str, int], remat: str, microbatches: int,
-               schedule: str = "", virtual: int = 1, optimizer: str = "none") -> Layout:
+               schedule: str = "", virtual: int = 1, optimizer: str = "none",
+               sp: bool | None = None) -> Layout:
         """The complete :class:`~jaxmp.plan.layout.Layout` of one candidate: its stage split,
         data-reduction decision, gather dtype, compression and sequence parallelism derived
         here, once; ``optimizer``: the optimizer-state sharding tried (``"none"`` without a
-        data axis)."""
+        data axis); ``sp``: sequence parallelism as tried (None: as configured)."""
         stages = int(sizes.get("stage", 1))
         compression = effective_compression(self.compression, int(sizes.get("data", 1)))
         wire, reduce = self.wire_dtypes(int(sizes.get("fsdp", 1)))
@@ -351,8 +354,16 @@ class Context:
                       reduce_dtype=reduce,
                       optimizer_sharding=optimizer_sharding(optimizer,
                                                             int(sizes.get("data", 1))),
-                      sequence_parallel=sequence_parallel(
-                          self.sequence_parallel, int(sizes.get("tensor", 1)), self.seq_len))
+                      sequence_parallel=self.sp_choices(sizes)[-1] if sp is None else sp)
+
+    def sp_choices(self, sizes: Mapping[str, int]) -> tuple[bool, ...]:
+        """The sequence parallelism the search tries on a mesh of ``sizes``
+        (:func:`jaxmp.plan.sequence.choices`)."""
+        fsdp, tensor = int(sizes.get("fsdp", 1)), int(sizes.get("tensor", 1))
+        every = all(self.shard(i, fsdp, tensor).tensor_weights
+                    == self.shard(i, fsdp, tensor).n_matrices
+                    for i in self.first if self.cost.layers[i].kind == "block")
+        return sequence_choices(self.sequence_parallel, tensor, self.seq_len, every)
 
     def outside_stack(self, fsdp: int, tensor: int) -> tuple[float, float]:
         """Parameter and optimizer bytes per device of the layers outside the layer stack

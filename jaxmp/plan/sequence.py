@@ -14,12 +14,22 @@ head). Megatron-LM does the same and overlaps it with the input-gradient matmul 
 et al. 2022, §4.2.2); keeping the gathered input instead would store ``t`` times the
 sequence-sharded one per column input, most of what sequence parallelism saves. XLA:CPU,
 which reduces each column matrix's input gradient separately, sends no extra bytes (CPU
-bytes with and without sequence parallelism agree within 2 %, docs/benchmarks.md); inside a
-pipeline's ticks the GPU compiler does not reassociate either, and no extra gather is
-counted there (unmeasured: the tick programs' other terms are not yet isolated).
+bytes with and without sequence parallelism agree within 2 %, docs/benchmarks.md). Inside a
+pipeline's ticks on GPUs the same gathers are counted, a lower bound: there the GPU program
+sends 3x the prediction (the tiny default GPT, data 4 × stage 2 × fsdp 2 × tensor 4 on 64 ×
+H100: 12.2 against 4.1 MiB per device; docs/planner.md §7), not yet isolated term by term.
+
+When it pays (:func:`choices`): ``"auto"`` tries it off and on and the search keeps the faster
+(on a tie the smaller) — on GPUs it costs the gathers above, on the CPU nothing; and never
+where ``tensor`` leaves one of a block's matrices whole (more tensor devices than heads):
+those weights' gradients become partial sums over the sequence shards, reduced over
+``tensor``, and their inputs and outputs are gathered — measured on the tiny default GPT (4
+heads) at tensor 8 on 64 × H100, 25.1 MiB per device against 3.2 without it.
 """
 
 from __future__ import annotations
+
+from jaxmp.plan.layout import sequence_parallel
 
 
 def regathers(column_inputs: int, *, sp: bool, tensor: int, reassociates: bool,
@@ -27,9 +37,9 @@ def regathers(column_inputs: int, *, sp: bool, tensor: int, reassociates: bool,
     """All-gathers of a layer's saved, sequence-sharded input that its backward pass adds
     under sequence parallelism (``column_inputs``: the distinct inputs of its column-parallel
     matmuls; ``reassociates``: the backend sums their input gradients before one reduction —
-    :attr:`jaxmp.devices.DeviceProfile.reassociates_all_reduce`; ``staged``: inside a
-    pipeline's ticks)."""
-    if not sp or tensor <= 1 or not reassociates or staged:
+    :attr:`jaxmp.devices.DeviceProfile.reassociates_all_reduce`, the GPU compiler's;
+    ``staged``: inside a pipeline's ticks, counted alike — a lower bound, see above)."""
+    if not sp or tensor <= 1 or not reassociates:
         return 0
     return column_inputs
 
@@ -41,3 +51,16 @@ def regather_bytes(column_inputs: int, io: float, *, sp: bool, tensor: int,
     n = regathers(column_inputs, sp=sp, tensor=tensor, reassociates=reassociates,
                   staged=staged)
     return n * (tensor - 1) / tensor * io
+
+
+def choices(setting: bool | str, tensor: int, seq_len: int | None,
+            splits_every_matrix: bool) -> tuple[bool, ...]:
+    """The values of ``Layout.sequence_parallel`` the search tries for
+    ``train.sequence_parallel = setting`` on ``tensor`` devices (``seq_len``: the sequence
+    length sequence parallelism could split, None: the model names none;
+    ``splits_every_matrix``: ``tensor`` splits every weight matrix of a block). The last is
+    the one a layout takes when nothing chooses."""
+    on = sequence_parallel(setting, tensor, seq_len)
+    if setting != "auto" or not on:
+        return (on,)
+    return (False, True) if splits_every_matrix else (False,)

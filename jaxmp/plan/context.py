@@ -174,6 +174,11 @@ class Context:
         weights = rows = n_matrices = 0
         row_item = 4
         tdims: set[int] = set()
+        # Gathered as stored ("param") with 16-bit compute, a matmul weight's cast moves before
+        # its all-gather (XLA) and its gradient is reduced in the matmul's dtype (§7).
+        if wire == "param" and self.compute_dtype == "bfloat16" \
+                and lay.kind != "pre":
+            wire = reduce = self.compute_dtype
         for leaf in lay.params:
             spec = sharding.resolve(leaf.names, leaf.shape, sizes, self.rules).spec \
                 if leaf.names is not None else ()

@@ -224,6 +224,21 @@ def test_gpu_step_collectives_against_the_plan(cudnn_step):
         assert row["overlapped"] + row["exposed"] == row["async"]
 
 
+def test_weights_gathered_as_stored_move_the_compute_dtype():
+    """``compression.weights = "param"`` with bf16 compute: XLA's GPU compiler casts each
+    matmul weight on its shard before the all-gather anyway, and reduces its gradient in bf16;
+    the planner predicts those bytes (it used to predict float32's, 2x; docs/planner.md §7).
+    The embedding lookup's table is gathered as stored."""
+    if not cuda_plugin_installed():
+        pytest.skip('JAX\'s CUDA plugin is not installed: pip install -e ".[cuda]"')
+    step = _compiled_step("auto", "compression.weights=param", "model.layers=2")
+    m, p = step["measured"], step["plan"]
+    assert p.layout.gather_dtype == "param"
+    assert m.collectives.total_bytes == pytest.approx(p.predicted.comm_bytes_per_step, rel=0.05)
+    gathered = {op.shape.count("bf16") for op in m.collectives.ops if op.kind == "all-gather"}
+    assert max(gathered) > 0
+
+
 def test_gradient_reductions_move_the_planned_dtype(cudnn_step):
     """The reduce-scatters of fsdp's weight gradients move the layout's ``reduce_dtype``,
     bfloat16 with bfloat16 gathers: every one of a weight matrix's (2-D and up; vectors such as

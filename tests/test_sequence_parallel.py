@@ -18,6 +18,7 @@ from jaxmp.checkpoint.records import to_plain
 from jaxmp.errors import ConfigError
 from jaxmp.hlo import collective_stats
 from jaxmp.models import lm_loss
+from jaxmp.plan.sequence import choices
 from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
 from jaxmp.recipes.published import GPT3_175B
 from jaxmp.tools.measure import measure_step
@@ -203,6 +204,31 @@ def test_auto_chooses_it_with_tensor_and_says_so():
                                                  "train.sequence_parallel=true"]), 8)
 
 
+def test_auto_turns_it_on_only_where_it_pays():
+    """The README's example (the tiny default on 64 x H100): on GPUs sequence parallelism
+    costs the backward's extra all-gathers, so the planner takes the layout without it (its
+    GPU program sends 3.6 MiB as predicted; with it in pipeline stages, 12-25 MiB); with more
+    tensor devices than heads it is never tried; on CPUs it costs nothing and is taken."""
+    plan = gpt_plan(jaxmp.load_config(None, []), 64, device_kind="H100", platform="cuda")
+    assert not plan.layout.sequence_parallel and plan.layout.sizes["tensor"] > 1
+    assert choices("auto", 8, 128, splits_every_matrix=False) == (False,)
+    assert choices("auto", 4, 128, splits_every_matrix=True) == (False, True)
+    assert choices(True, 4, 128, splits_every_matrix=False) == (True,)
+    wide = gpt_plan(jaxmp.load_config(None, ["mesh.tensor=8", "mesh.data=1", "mesh.stage=1",
+                                             "mesh.fsdp=1"]), 8)  # 4 heads on 8 devices
+    assert not wide.layout.sequence_parallel
+    # the extra gathers: one per column-parallel input (a block: 2; the head: 1), per device
+    sets = ["model.layers=2", "model.d_model=256", "model.heads=8", "model.vocab_size=256",
+            "model.compute_dtype=bfloat16", "data.seq_len=64", "train.batch_size=8",
+            "mesh.tensor=8", "mesh.data=1", "mesh.stage=1", "mesh.fsdp=1",
+            "train.microbatches=1", "model.remat=none"]
+    sent = [gpt_plan(jaxmp.load_config(None, sets + [f"train.sequence_parallel={sp}"]), 8,
+                     device_kind="H100", platform="cuda").predicted.comm_bytes["tensor"]
+            for sp in ("false", "true")]
+    io = 8 * 64 * 256 * 2  # the residual stream in bf16
+    assert sent[1] - sent[0] == pytest.approx((2 * 2 + 1) * 7 / 8 * io)
+
+
 # ---------------------------------------------------------------- compiled bytes
 
 
@@ -238,7 +264,7 @@ def test_gpu_compiler_peak_as_predicted_with_and_without():
     """8 deviceless H100s, data2 x tensor4, 4 layers of width 2048 at sequence 2048 in bf16:
     the GPU compiler's per-device peak within ±10 % of the prediction with sequence
     parallelism off and on; on, the block's all-reduces are reduce-scatters + all-gathers and
-    the peak falls."""
+    the peak falls; the collective bytes within ±5 % of the prediction both ways."""
     topo = gpu_topology(8, "H100")
     sets = ["model.layers=4", "model.d_model=2048", "model.heads=16", "model.vocab_size=1024",
             "model.compute_dtype=bfloat16", "data.seq_len=2048", "data.source=synthetic",
@@ -253,6 +279,9 @@ def test_gpu_compiler_peak_as_predicted_with_and_without():
         assert plan.layout.sequence_parallel == (sp == "true")
         assert plan.predicted.per_device_bytes == pytest.approx(m.peak_bytes, rel=0.10)
         assert (m.collectives.count_by_kind["reduce-scatter"] > 0) == (sp == "true")
+        # On, the backward gathers each column-parallel input again (jaxmp.plan.sequence).
+        assert plan.predicted.comm_bytes_per_step == pytest.approx(m.collectives.total_bytes,
+                                                                   rel=0.05)
         peaks.append(m.peak_bytes)
     assert peaks[1] < 0.85 * peaks[0]
 

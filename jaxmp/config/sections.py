@@ -134,7 +134,8 @@ class TrainConfig(Section):
     # Adam state sharded over data too (ZeRO-1, jaxmp.train.zero); "auto": when it makes a fit
     optimizer_sharding: OptimizerSharding = "auto"
     # norms, residual adds and dropout sharded along the sequence over tensor (sequence
-    # parallelism, jaxmp.sharding.sequence); "auto": wherever tensor > 1 and seq divides by it
+    # parallelism, jaxmp.sharding.sequence); "auto": the planner tries it where tensor > 1
+    # splits the sequence and every block matrix, and keeps it when it pays (plan/sequence.py)
     sequence_parallel: SequenceParallel = "auto"
 
     def _validate(self) -> None:

@@ -279,7 +279,13 @@ class GPT(nnx.Module):
         """The last block's output → logits (the pipeline's last stage runs this)."""
         x = self.final_norm(x)
         head = self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
-        logits = x @ head.astype(x.dtype)
+        # Used as an activation is (the vocabulary over tensor, as stored): the transposed
+        # constraint keeps the weight gradient on that slice. Without it, under sequence
+        # parallelism with the optimizer state over data (a (tensor, data) cut of the
+        # vocabulary), the partitioner gathered the logits' gradient and reduced the whole
+        # vocabulary's gradient over data: +10 % bytes (docs/benchmarks.md).
+        head = constrain(head.astype(x.dtype), ("act_embed", "act_vocab"))
+        logits = x @ head
         return constrain(logits, ("batch", "seq", "act_vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

@@ -27,8 +27,9 @@ from jaxmp.devices import DeviceProfile
 from jaxmp.mesh import AXES
 from jaxmp.pipeline.footprint import fold, stack_span
 from jaxmp.pipeline.stages import StageSplit, split_layers
+from jaxmp.plan.sequence import choices as sequence_choices, regather_bytes
 from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
-                               reduction, sequence_parallel)
+                               reduction)
 from jaxmp.sharding.sequence import SEQ
 
 
@@ -47,6 +48,9 @@ class _Shard:
     reduce_wire: float = 0.0  # the same for the reduce-scatter of their gradients
     cast: float = 0.0  # bytes per device of the narrow copies made before the forward pass
     grads: float = 0.0  # bytes per device of its gradients as the backward pass holds them
+    row_itemsize: int = 4  # bytes per element of its row-parallel matrices (as stored)
+    matrices: float = 0.0  # bytes per device of its float32 matmul weights (not lookups)
+    n_matrices: int = 0  # its weight matrices, split by tensor or not
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class LayerTable:
     first_gather_bytes: np.ndarray  # one all-gather of its weights
     grads: np.ndarray  # its parameter gradients as the backward pass holds them (per step)
     cast: np.ndarray  # the narrow copies of its fsdp shards the step makes first (per step)
+    matrices: np.ndarray  # param_local's float32 weight matrices fed to matmuls (not lookups)
 
     def row(self, i: int) -> dict[str, float]:
         """Layer ``i``'s entries as plain floats."""
@@ -165,9 +170,15 @@ class Context:
         up = self.profile.upcasts_16bit
         out_item = wire_itemsize(self.compute_dtype or "float32", 4, up) \
             if self.compute_dtype in ("bfloat16", "float32") else 4
-        local = gathered = unsharded = gather_wire = reduce_wire = cast = grads = 0.0
-        weights = rows = 0
+        local = gathered = unsharded = gather_wire = reduce_wire = cast = grads = matrices = 0.0
+        weights = rows = n_matrices = 0
+        row_item = 4
         tdims: set[int] = set()
+        # Gathered as stored ("param") with 16-bit compute, a matmul weight's cast moves before
+        # its all-gather (XLA) and its gradient is reduced in the matmul's dtype (§7).
+        if wire == "param" and self.compute_dtype == "bfloat16" \
+                and lay.kind != "pre":
+            wire = reduce = self.compute_dtype
         for leaf in lay.params:
             spec = sharding.resolve(leaf.names, leaf.shape, sizes, self.rules).spec \
                 if leaf.names is not None else ()
@@ -175,6 +186,8 @@ class Context:
             div = math.prod(sizes[a] for a in axes)
             nb = leaf.nbytes * lay.share
             local += nb / div
+            matrices += nb / div if lay.kind != "pre" and leaf.names is not None \
+                and is_matrix(leaf.names) and leaf.nbytes == 4 * math.prod(leaf.shape) else 0.0
             gathered += nb / (div // fsdp if "fsdp" in axes else div)
             unsharded += 0.0 if "fsdp" in axes else nb / div
             narrow = "fsdp" in axes and leaf.names is not None and is_matrix(leaf.names)
@@ -197,9 +210,12 @@ class Context:
             tdims.update(int(leaf.shape[d]) for d in split)
             dims = [d for d, n in enumerate(leaf.names or ()) if n != "layers"]
             weights += bool(split) and len(dims) >= 2
-            rows += len(dims) >= 2 and dims[0] in split
+            n_matrices += len(dims) >= 2
+            if len(dims) >= 2 and dims[0] in split:
+                rows += 1
+                row_item = max(1, leaf.nbytes // max(1, math.prod(leaf.shape)))
         return _Shard(local, gathered, unsharded, weights, rows, frozenset(tdims), gather_wire,
-                      reduce_wire, cast, grads)
+                      reduce_wire, cast, grads, row_item, matrices, n_matrices)
 
     def flops_per_step(self, remat: str) -> float:
         return self.cached(("flops", remat), lambda: self.cost.flops_per_step(remat))
@@ -287,13 +303,21 @@ class Context:
             flops = lay.flops(remat) * rows / cost.rows / (tensor if sh.tensor_dims else 1)
             # Full remat recomputes the forward, with its row-parallel all-reduces (all but the
             # last: the layer's own output is not needed again).
-            column = sh.tensor_weights - sh.row_parallel  # their input gradients: all-reduced
-            backward = min(column, max(sh.row_parallel, 1)) if \
-                self.profile.reassociates_all_reduce and not staged else column  # (devices.py;
-            # measured: not inside a pipeline's ticks, docs/planner.md §7)
-            n_all_reduce = sh.row_parallel + backward + (max(0, sh.row_parallel - 1)
-                                                         if remat == "full" else 0)
-            tensor_bytes = n_all_reduce * 2 * (tensor - 1) / tensor * io if tensor > 1 else 0.0
+            # (A tied head reads the embedding's table transposed: its rows are columns.)
+            row = sh.tensor_weights - sh.row_parallel if self.tied[i] else sh.row_parallel
+            column = sh.tensor_weights - row  # their input gradients: all-reduced
+            inputs = min(column, max(row, 1))  # distinct inputs of the column-parallel ones
+            backward = inputs if self.profile.reassociates_all_reduce and not staged \
+                else column  # (devices.py; measured: not inside a pipeline's ticks, §7)
+            n_all_reduce = row + backward + (max(0, row - 1) if remat == "full" else 0)
+            # An embedding lookup's all-reduce (row-parallel on a vocab-split table) sums the
+            # table's rows before the cast to the compute dtype: in the table's dtype.
+            wide = sh.row_itemsize / lay.act_itemsize if lay.kind == "pre" and row \
+                and not self.profile.upcasts_16bit else 1.0
+            tensor_bytes = n_all_reduce * 2 * (tensor - 1) / tensor * io * max(1.0, wide) \
+                if tensor > 1 else 0.0
+            tensor_bytes += regather_bytes(inputs, io, sp=sp, tensor=tensor, staged=staged,
+                                           reassociates=self.profile.reassociates_all_reduce)
             gathers = 2.0 if regather else 1.0
             fsdp_bytes = (fsdp - 1) / fsdp * (gathers * sh.gather_wire + sh.reduce_wire
                                               + 2 * sh.unsharded_fsdp) if fsdp > 1 else 0.0
@@ -305,7 +329,7 @@ class Context:
                               transient, flops / self.rate + tensor_bytes / bw_tensor,
                               flops / self.rate, tensor_bytes, sh.local, sh.gathered,
                               sh.unsharded_fsdp, lay.boundary_bytes * rows / cost.rows, gathers,
-                              fsdp_bytes, first_gather, sh.grads, sh.cast))
+                              fsdp_bytes, first_gather, sh.grads, sh.cast, sh.matrices))
         columns = np.array(per_group, dtype=np.float64)[self.group_of]
         return LayerTable(*(columns[:, j] for j in range(columns.shape[1])))
 
@@ -319,11 +343,12 @@ class Context:
         return self.cached(("split", remat, stages, virtual), make)
 
     def layout(self, sizes: Mapping[str, int], remat: str, microbatches: int,
-               schedule: str = "", virtual: int = 1, optimizer: str = "none") -> Layout:
+               schedule: str = "", virtual: int = 1, optimizer: str = "none",
+               sp: bool | None = None) -> Layout:
         """The complete :class:`~jaxmp.plan.layout.Layout` of one candidate: its stage split,
         data-reduction decision, gather dtype, compression and sequence parallelism derived
         here, once; ``optimizer``: the optimizer-state sharding tried (``"none"`` without a
-        data axis)."""
+        data axis); ``sp``: sequence parallelism as tried (None: as configured)."""
         stages = int(sizes.get("stage", 1))
         compression = effective_compression(self.compression, int(sizes.get("data", 1)))
         wire, reduce = self.wire_dtypes(int(sizes.get("fsdp", 1)))
@@ -334,8 +359,16 @@ class Context:
                       reduce_dtype=reduce,
                       optimizer_sharding=optimizer_sharding(optimizer,
                                                             int(sizes.get("data", 1))),
-                      sequence_parallel=sequence_parallel(
-                          self.sequence_parallel, int(sizes.get("tensor", 1)), self.seq_len))
+                      sequence_parallel=self.sp_choices(sizes)[-1] if sp is None else sp)
+
+    def sp_choices(self, sizes: Mapping[str, int]) -> tuple[bool, ...]:
+        """The sequence parallelism the search tries on a mesh of ``sizes``
+        (:func:`jaxmp.plan.sequence.choices`)."""
+        fsdp, tensor = int(sizes.get("fsdp", 1)), int(sizes.get("tensor", 1))
+        every = all(self.shard(i, fsdp, tensor).tensor_weights
+                    == self.shard(i, fsdp, tensor).n_matrices
+                    for i in self.first if self.cost.layers[i].kind == "block")
+        return sequence_choices(self.sequence_parallel, tensor, self.seq_len, every)
 
     def outside_stack(self, fsdp: int, tensor: int) -> tuple[float, float]:
         """Parameter and optimizer bytes per device of the layers outside the layer stack

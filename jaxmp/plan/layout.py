@@ -122,8 +122,9 @@ def optimizer_sharding(configured: str, data: int, auto: str = "none") -> str:
 def sequence_parallel(setting: bool | str, tensor: int, seq_len: int | None) -> bool:
     """Whether a layout shards the residual stream's sequence over ``tensor``
     (``train.sequence_parallel``): never without a tensor axis; ``"auto"`` wherever the
-    sequence (``seq_len``; None: unknown) divides by it — its activations divide by
-    ``tensor`` and its collectives move the same bytes, so it always pays."""
+    sequence (``seq_len``; None: unknown) divides by it — what a plan without costs takes;
+    with costs the search tries it off and on where it applies
+    (:func:`jaxmp.plan.sequence.choices`)."""
     if tensor <= 1 or setting is False:
         return False
     if setting == "auto":

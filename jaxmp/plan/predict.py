@@ -19,7 +19,8 @@ predicts the rest, where every device runs every layer:
   the update divide by ``data``; the gradient reduction becomes a reduce-scatter and an
   all-gather of the updated params (the same bytes), the all-gather exposed at the step's end.
 * **communication**, ring formulas, bytes each device sends: ``data`` all-reduces gradients,
-  2(N-1)/N·S, once per microbatch (inside the accumulation loop, as the step compiles);
+  2(N-1)/N·S (weight matrices' in the compute dtype: :func:`data_reduction_bytes`), once
+  per microbatch (inside the accumulation loop, as the step compiles);
   ``fsdp`` all-gathers weights (forward, and again in the backward pass of a scanned stack or
   under remat) and reduce-scatters gradients, (N-1)/N·S each, per microbatch; ``tensor``
   all-reduces a layer's activations once per tensor-split weight matrix.
@@ -90,7 +91,7 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     # The data-axis gradient reduction, encoded per compression.gradients: beside the
     # backward pass (XLA's), or once after the last microbatch with nothing to hide behind.
     at_end = layout.reduce_after_microbatches
-    data_bytes = ctx.grad_bytes_factor * 2 * (data - 1) / data * table.param_local
+    data_bytes = data_reduction_bytes(ctx, layout, table)
     comm["data"] = float(data_bytes.sum())
     bw = ctx.link_bw(sizes)
     # Sharded optimizer state: the updated slices are all-gathered after the update, with
@@ -123,6 +124,23 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
         stages=[(0, len(cost.layers))], stage_time_s=[step],
         comm_hidden_s={k: hidden * share[k] for k in raw}, working_parts=working_parts,
         activation_parts={f"saved, live in {name}'s backward": acts})
+
+
+def data_reduction_bytes(ctx: Context, layout: Layout, table: LayerTable) -> np.ndarray:
+    """Per layer, the bytes each device sends to reduce its gradients over ``data`` (ring
+    all-reduce, 2(N-1)/N·S), encoded per ``compression.gradients``. Uncompressed and beside
+    the backward pass (XLA's reduction, not the reducer's after the microbatches), a weight
+    matrix's gradient is reduced where the partitioner places it: at its weight-gradient
+    matmul, in that matmul's output dtype — the compute dtype (bf16 on GPUs, measured with
+    ``--verify --aot``, docs/planner.md §7) — and cast to the parameter's dtype after; the
+    embedding lookup's scatter and vectors stay in the parameter's dtype."""
+    data = layout.sizes["data"]
+    local = table.param_local
+    narrow = ctx.compute_dtype in ("bfloat16", "float16") and not ctx.profile.upcasts_16bit \
+        and layout.compression.kind == "none" and not layout.reduce_after_microbatches
+    if narrow:
+        local = local - table.matrices * (1 - 2 / 4)  # float32 master weights, 16-bit grads
+    return ctx.grad_bytes_factor * 2 * (data - 1) / data * local
 
 
 @dataclass(frozen=True)

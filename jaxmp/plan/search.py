@@ -190,21 +190,24 @@ def search(ctx: Context, fixed: Mapping[str, int] | None = None,
         for count, kind, virtual, configured in layouts:
             for remat in remats:
                 remat_ok = configured_remat is None or remat == configured_remat
-                for zero, zero_ok in optimizer_choices(optimizer_sharding, sizes["data"]):
-                    layout = ctx.layout(sizes, remat, count, kind, virtual, zero)
-                    pred = predict(ctx, layout)
-                    fits = bool(pred.per_device_bytes <= ctx.memory_limit)
-                    blockers = [] if remat_ok else [f"needs model.remat={remat!r}"]
-                    if not zero_ok:
-                        blockers.append(f"needs train.optimizer_sharding={zero!r}")
-                    if not configured:
-                        blockers.append(f"needs train.microbatches={count}")
-                    if stages > 1 and not opts.runnable:
-                        blockers.append(opts.why_not)
-                    result.ranked.append(Candidate(layout, pred, fits, tuple(blockers)))
-                    if fits:  # sharding the optimizer state more saves nothing that matters
-                        break
-                if result.ranked[-1].fits and remat_ok:
+                fitted = False
+                for sp in ctx.sp_choices(sizes):  # "auto": off and on, the ranking decides
+                    for zero, zero_ok in optimizer_choices(optimizer_sharding, sizes["data"]):
+                        layout = ctx.layout(sizes, remat, count, kind, virtual, zero, sp)
+                        pred = predict(ctx, layout)
+                        fits = bool(pred.per_device_bytes <= ctx.memory_limit)
+                        blockers = [] if remat_ok else [f"needs model.remat={remat!r}"]
+                        if not zero_ok:
+                            blockers.append(f"needs train.optimizer_sharding={zero!r}")
+                        if not configured:
+                            blockers.append(f"needs train.microbatches={count}")
+                        if stages > 1 and not opts.runnable:
+                            blockers.append(opts.why_not)
+                        result.ranked.append(Candidate(layout, pred, fits, tuple(blockers)))
+                        fitted |= fits
+                        if fits:  # sharding the optimizer state more saves nothing that matters
+                            break
+                if fitted and remat_ok:
                     break
     # Fitting first, then fastest; on a tie the fewer microbatches (larger matmuls, a simpler
     # program), then the less memory.

@@ -257,23 +257,27 @@ def test_pipeline_stages_run_xla_attention():
 
 @needs_plugin
 def test_a_pipelined_step_compiles_for_gpus():
-    """The pipeline executor's step (stage 2 x data 4) compiles for 8 deviceless H100s, with
-    the collective-permutes between stages; peak and bytes near the plan's (measured at seq
-    512: -15 % and +17 % with jax 0.10.2, +26 % peak with 0.12; the 34B case of
-    docs/planner.md: -1 % and +2 %)."""
+    """The pipeline executor's step (stage 2 x fsdp 4) compiles for 8 deviceless H100s, with
+    the collective-permutes between stages, and its fsdp weight gradients made inside the
+    ticks' conditionals are reduce-scattered, as the planner predicts, not all-reduced whole
+    (before the executor pinned them to the parameters' sharding: 36 of 52 MiB were such
+    all-reduces, 2x a reduce-scatter's bytes). Peak near the plan's (measured -13 % at seq
+    512, jax 0.10.2; the 34B case of docs/planner.md: -1 %)."""
     from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
     from jaxmp.tools.measure import measure_step
     from jaxmp.topology import gpu_topology
 
-    config = _config("auto", "mesh.fsdp=1", "mesh.stage=2", "mesh.data=4",
+    config = _config("auto", "mesh.fsdp=4", "mesh.stage=2", "mesh.data=1",
                      "data.seq_len=512")
     topo = gpu_topology(N, "H100")
     plan = gpt_plan(config, N, device_kind="H100", platform="cuda")
     trainer = gpt_trainer(config, devices=list(topo.devices), with_data=False, plan=plan)
     m = measure_step(trainer)
-    assert m.collectives.bytes_by_kind["collective-permute"] > 0
+    by_kind = m.collectives.bytes_by_kind
+    assert by_kind["collective-permute"] > 0
+    assert by_kind["reduce-scatter"] > 0 and by_kind["all-reduce"] < 0.01 * by_kind[
+        "reduce-scatter"], by_kind
     assert plan.predicted.per_device_bytes == pytest.approx(m.peak_bytes, rel=0.3)
-    assert plan.predicted.comm_bytes_per_step == pytest.approx(m.collective_bytes, rel=0.3)
 
 
 @needs_plugin

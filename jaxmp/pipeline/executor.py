@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import sharding
@@ -159,12 +160,34 @@ class _DeviceTicks:
         lmax = executor.split.max_blocks
         self.stack = jax.tree.map(lambda a: a.reshape((self.virtual, lmax) + a.shape[2:]), stack)
         self.shared, self.rest, self.microbatches = shared, rest, microbatches
+        # Each stack leaf's logical names for one chunk's rows [Lmax, ...] (stored ("stage",
+        # "layers", ...)): gradients are pinned to them, see `like_params`.
+        self.chunk_names = [("layers",) + tuple(names)[2:] if names else None
+                            for names in _leaf_names(stack)]
         activation = chunk.activation(self.params(0), self.microbatch(0), rest)
         self.zero_activation = jnp.zeros(activation.shape, activation.dtype)  # A
 
     def params(self, local_chunk: Any) -> tuple:
         """``(shared, the chunk's stack rows [Lmax, ...])``."""
         return self.shared, jax.tree.map(lambda a: a[local_chunk], self.stack)
+
+    def like_params(self, chunk_tree: Any, lead: tuple = ()) -> Any:
+        """``chunk_tree`` (shaped like one chunk's stack rows, after ``lead`` dims) constrained
+        to the parameters' sharding. Without it, the partitioner leaves a weight gradient made
+        inside a tick's ``lax.cond`` unsharded and all-reduces it over fsdp in full (GPU-
+        compiled), instead of reduce-scattering it as the layer loop outside a pipeline does."""
+        flat, treedef = jax.tree.flatten(chunk_tree)
+        if len(flat) != len(self.chunk_names):
+            return chunk_tree
+        return treedef.unflatten([
+            sharding.constrain(x, (None,) * len(lead) + names) if names else x
+            for x, names in zip(flat, self.chunk_names)])
+
+    def like_batch(self, x: jax.Array, lead: int = 0) -> jax.Array:
+        """An activation ``A`` (after ``lead`` slot dims) split by the ``batch`` rule, as the
+        microbatches are: else the tick's buffers are kept whole on every fsdp / data device
+        and each chunk's output all-gathered into them (GPU-compiled)."""
+        return sharding.constrain(x, (None,) * lead + ("batch",) + (None,) * (x.ndim - lead - 1))
 
     def microbatch(self, index: Any) -> dict:
         return jax.tree.map(lambda a: a[index], self.microbatches)
@@ -179,6 +202,16 @@ class _DeviceTicks:
         """``x`` from every device to device ``d + step`` (around the ring)."""
         return jax.lax.ppermute(x, STAGE, [(i, (i + step) % self.stages)
                                            for i in range(self.stages)])
+
+
+def _leaf_names(tree: Any) -> list:
+    """The logical names of each array leaf of a tree of NNX Variables (None where unnamed or
+    not a Variable), in ``jax.tree.leaves`` order."""
+    out: list = []
+    for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        names = sharding.names_of(leaf)[0] if isinstance(leaf, nnx.Variable) else None
+        out.extend([names] * len(jax.tree.leaves(leaf)))
+    return out
 
 
 class _Training(NamedTuple):
@@ -208,10 +241,12 @@ class _TrainingTicks(_DeviceTicks):
     def start(self) -> _Training:
         program, zero = self.program, self.zero_activation
         return _Training(
-            activations=jnp.zeros((program.act_slots + 1,) + zero.shape, zero.dtype),
+            activations=self.like_batch(
+                jnp.zeros((program.act_slots + 1,) + zero.shape, zero.dtype), 1),
             residuals=self.stash.empty(program.res_slots + 1),
-            cotangents=jnp.zeros((program.ct_slots + 1,) + zero.shape, zero.dtype),
-            stack_grads=jax.tree.map(jnp.zeros_like, self.stack),
+            cotangents=self.like_batch(
+                jnp.zeros((program.ct_slots + 1,) + zero.shape, zero.dtype), 1),
+            stack_grads=self.like_params(jax.tree.map(jnp.zeros_like, self.stack), (None,)),
             shared_grads=jax.tree.map(jnp.zeros_like, self.shared),
             loss_sum=jnp.float32(0), weight_sum=jnp.float32(0))
 
@@ -269,6 +304,7 @@ class _TrainingTicks(_DeviceTicks):
             else:
                 grads, x_cotangent, loss, weight = self._stashed_backward(state, inputs, params)
             shared_grads, chunk_grads = grads
+            chunk_grads = self.like_params(chunk_grads)
             return state._replace(
                 stack_grads=jax.tree.map(lambda acc, g: acc.at[local].add(g), state.stack_grads,
                                          chunk_grads),
@@ -310,10 +346,10 @@ class _TrainingTicks(_DeviceTicks):
         """Phase 4: outputs one device on, input cotangents one device back, into the slots
         the tables name for what arrives."""
         program = self.program
-        arrived = self.send(output, +1)
+        arrived = self.send(self.like_batch(output), +1)
         activations = state.activations.at[
             _slot(inputs.arriving_activation_slot, program.act_slots)].set(arrived)
-        returned = self.send(input_cotangent, -1)
+        returned = self.send(self.like_batch(input_cotangent), -1)
         cotangents = state.cotangents.at[
             _slot(inputs.arriving_cotangent_slot, program.ct_slots)].set(returned)
         return state._replace(activations=activations, cotangents=cotangents)

@@ -34,11 +34,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import sharding
-from jaxmp.pipeline.chunk import Chunk, PipelineSpec, join_stack, split_stack
+from jaxmp.pipeline.chunk import Chunk, PipelineSpec, join_stack, leaf_names, split_stack
 from jaxmp.pipeline.residuals import stash_layout, stash_policy, vjp_without_params
 from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import StageSplit
@@ -163,7 +162,7 @@ class _DeviceTicks:
         # Each stack leaf's logical names for one chunk's rows [Lmax, ...] (stored ("stage",
         # "layers", ...)): gradients are pinned to them, see `like_params`.
         self.chunk_names = [("layers",) + tuple(names)[2:] if names else None
-                            for names in _leaf_names(stack)]
+                            for names in leaf_names(stack)]
         activation = chunk.activation(self.params(0), self.microbatch(0), rest)
         self.zero_activation = jnp.zeros(activation.shape, activation.dtype)  # A
 
@@ -202,16 +201,6 @@ class _DeviceTicks:
         """``x`` from every device to device ``d + step`` (around the ring)."""
         return jax.lax.ppermute(x, STAGE, [(i, (i + step) % self.stages)
                                            for i in range(self.stages)])
-
-
-def _leaf_names(tree: Any) -> list:
-    """The logical names of each array leaf of a tree of NNX Variables (None where unnamed or
-    not a Variable), in ``jax.tree.leaves`` order."""
-    out: list = []
-    for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        names = sharding.names_of(leaf)[0] if isinstance(leaf, nnx.Variable) else None
-        out.extend([names] * len(jax.tree.leaves(leaf)))
-    return out
 
 
 class _Training(NamedTuple):

@@ -15,8 +15,9 @@ compiler here. What comes back is what the cluster would run, except its timing:
   which ``jaxmp train`` gives JAX's allocator). XLA's rematerialization pass may warn "Can't
   reduce memory use below ..." with a larger estimate: it is reported beside the verdict
   (``xla_rematerialization``), as information, not as the verdict — the pass's live-byte
-  count sums every branch of a conditional, counts a loop's state in the caller and again in
-  its body, and shares no buffer, and the runtime never allocates it (docs/planner.md §7);
+  count adds up every branch of a conditional and a loop's state at the call site and in its
+  body, and models no buffer reuse by elementwise ops; the runtime allocates the buffer
+  assignment instead (docs/planner.md §7, ``tests/test_deviceless.py``);
 * per collective kind, its bytes and how many async collectives have a matmul scheduled
   between start and done (:func:`jaxmp.hlo.collective_overlap`), and the fsdp all-gathers of
   the layer loop that do not.

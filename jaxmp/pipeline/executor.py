@@ -182,12 +182,6 @@ class _DeviceTicks:
             sharding.constrain(x, (None,) * len(lead) + names) if names else x
             for x, names in zip(flat, self.chunk_names)])
 
-    def like_batch(self, x: jax.Array, lead: int = 0) -> jax.Array:
-        """An activation ``A`` (after ``lead`` slot dims) split by the ``batch`` rule, as the
-        microbatches are: else the tick's buffers are kept whole on every fsdp / data device
-        and each chunk's output all-gathered into them (GPU-compiled)."""
-        return sharding.constrain(x, (None,) * lead + ("batch",) + (None,) * (x.ndim - lead - 1))
-
     def microbatch(self, index: Any) -> dict:
         return jax.tree.map(lambda a: a[index], self.microbatches)
 
@@ -230,11 +224,9 @@ class _TrainingTicks(_DeviceTicks):
     def start(self) -> _Training:
         program, zero = self.program, self.zero_activation
         return _Training(
-            activations=self.like_batch(
-                jnp.zeros((program.act_slots + 1,) + zero.shape, zero.dtype), 1),
+            activations=jnp.zeros((program.act_slots + 1,) + zero.shape, zero.dtype),
             residuals=self.stash.empty(program.res_slots + 1),
-            cotangents=self.like_batch(
-                jnp.zeros((program.ct_slots + 1,) + zero.shape, zero.dtype), 1),
+            cotangents=jnp.zeros((program.ct_slots + 1,) + zero.shape, zero.dtype),
             stack_grads=self.like_params(jax.tree.map(jnp.zeros_like, self.stack), (None,)),
             shared_grads=jax.tree.map(jnp.zeros_like, self.shared),
             loss_sum=jnp.float32(0), weight_sum=jnp.float32(0))
@@ -335,10 +327,10 @@ class _TrainingTicks(_DeviceTicks):
         """Phase 4: outputs one device on, input cotangents one device back, into the slots
         the tables name for what arrives."""
         program = self.program
-        arrived = self.send(self.like_batch(output), +1)
+        arrived = self.send(output, +1)
         activations = state.activations.at[
             _slot(inputs.arriving_activation_slot, program.act_slots)].set(arrived)
-        returned = self.send(self.like_batch(input_cotangent), -1)
+        returned = self.send(input_cotangent, -1)
         cotangents = state.cotangents.at[
             _slot(inputs.arriving_cotangent_slot, program.ct_slots)].set(returned)
         return state._replace(activations=activations, cotangents=cotangents)

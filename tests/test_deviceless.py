@@ -112,6 +112,61 @@ def test_each_target_compiles_flash_attention(kind):
     assert compiled.memory_analysis().temp_size_in_bytes >= 0
 
 
+@needs_plugin
+def test_xla_remat_estimate_sums_branches_the_runtime_allocates_one():
+    """Why the compiled peak, not XLA's rematerialization warning, judges fit (docs/planner.md
+    §7): a conditional whose four branches each hold a 16 GiB float32 matmul output. The
+    buffer assignment (what the GPU runtime allocates, ``memory_analysis``) holds one branch's
+    16 GiB — the branches share it — while the remat pass sums the four branches' peaks,
+    64 GiB, over its ~60 GiB limit on an H100, and warns. jaxmp's judge reads that as
+    information."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxmp.tools.aot import captured_stderr, remat_shortfall
+    from jaxmp.topology import gpu_topology, memory_limit, without_persistent_cache
+
+    without_persistent_cache()
+    topo = gpu_topology(1, "H100")
+    s = NamedSharding(Mesh(np.array(topo.devices), ("d",)), P())
+
+    def branch(k):
+        def run(x, w):
+            a = jnp.dot(x * k, w, preferred_element_type=jnp.float32)  # [2^17, 2^15]: 16 GiB
+            return jnp.sum(jnp.sin(a))
+        return run
+
+    def step(x, w, i):
+        return jax.lax.switch(i, [branch(k) for k in (2.0, 3.0, 5.0, 7.0)], x, w)
+
+    x = jax.ShapeDtypeStruct((2**17, 1024), jnp.bfloat16, sharding=s)
+    w = jax.ShapeDtypeStruct((1024, 2**15), jnp.bfloat16, sharding=s)
+    i = jax.ShapeDtypeStruct((), jnp.int32, sharding=s)
+    with captured_stderr() as said:
+        compiled = jax.jit(step).lower(x, w, i).compile()
+    ma = compiled.memory_analysis()
+    gib = 2**30
+    assert ma.temp_size_in_bytes == pytest.approx(16 * gib, rel=0.01)
+    short = remat_shortfall(said)
+    assert short is not None and short["needed_bytes"] == pytest.approx(64 * gib, rel=0.02)
+    assert short["needed_bytes"] > short["limit_bytes"]
+    peak = ma.argument_size_in_bytes + ma.temp_size_in_bytes
+    assert peak < memory_limit(topo, PROFILES["H100"].usable_fraction)  # fits, as judged
+
+
+def test_verify_section_reports_the_remat_estimate_as_information():
+    """`plan --verify --aot`'s text: the verdict is the compiled peak's; XLA's estimate is
+    printed beside it, not as the verdict."""
+    from jaxmp.plan.render import _verify_lines
+
+    row = {"predicted": 1.0 * 2**30, "compiled": 1.0 * 2**30, "rel_err": 0.0}
+    v = {"argument_bytes": row, "peak_bytes": row, "comm_bytes_per_step": row, "fits": True,
+         "predicted_fits": True, "memory_limit_bytes": 59.3 * 2**30, "compile_s": 1.0,
+         "xla_rematerialization": {"needed_bytes": 64.0 * 2**30, "limit_bytes": 60.0 * 2**30}}
+    text = "\n".join(_verify_lines(v, 8))
+    assert "compiled yes, predicted yes" in text
+    assert "estimated 64.00 GiB" in text and "information" in text
+
+
 # ------------------------------------------------------------- jaxmp's own step on 8 x H100
 
 N = 8
@@ -272,23 +327,27 @@ def test_pipeline_stages_run_xla_attention():
 
 @needs_plugin
 def test_a_pipelined_step_compiles_for_gpus():
-    """The pipeline executor's step (stage 2 x data 4) compiles for 8 deviceless H100s, with
-    the collective-permutes between stages; peak and bytes near the plan's (measured at seq
-    512: -15 % and +17 % with jax 0.10.2, +26 % peak with 0.12; the 34B case of
-    docs/planner.md: -1 % and +2 %)."""
+    """The pipeline executor's step (stage 2 x fsdp 4) compiles for 8 deviceless H100s, with
+    the collective-permutes between stages, and its fsdp weight gradients made inside the
+    ticks' conditionals are reduce-scattered, as the planner predicts, not all-reduced whole
+    (before the executor pinned them to the parameters' sharding: 36 of 52 MiB were such
+    all-reduces, 2x a reduce-scatter's bytes). Peak near the plan's (measured -13 % at seq
+    512, jax 0.10.2; the 34B case of docs/planner.md: -1 %)."""
     from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
     from jaxmp.tools.measure import measure_step
     from jaxmp.topology import gpu_topology
 
-    config = _config("auto", "mesh.fsdp=1", "mesh.stage=2", "mesh.data=4",
+    config = _config("auto", "mesh.fsdp=4", "mesh.stage=2", "mesh.data=1",
                      "data.seq_len=512")
     topo = gpu_topology(N, "H100")
     plan = gpt_plan(config, N, device_kind="H100", platform="cuda")
     trainer = gpt_trainer(config, devices=list(topo.devices), with_data=False, plan=plan)
     m = measure_step(trainer)
-    assert m.collectives.bytes_by_kind["collective-permute"] > 0
+    by_kind = m.collectives.bytes_by_kind
+    assert by_kind["collective-permute"] > 0
+    assert by_kind["reduce-scatter"] > 0 and by_kind["all-reduce"] < 0.01 * by_kind[
+        "reduce-scatter"], by_kind
     assert plan.predicted.per_device_bytes == pytest.approx(m.peak_bytes, rel=0.3)
-    assert plan.predicted.comm_bytes_per_step == pytest.approx(m.collective_bytes, rel=0.3)
 
 
 @needs_plugin

@@ -67,6 +67,16 @@ def to_stages(params: nnx.State, spec: PipelineSpec, split: StageSplit) -> nnx.S
     return out
 
 
+def leaf_names(tree: Any) -> list:
+    """The logical names of each array leaf of a tree of NNX Variables (None where unnamed or
+    not a Variable), in ``jax.tree.leaves`` order."""
+    out: list = []
+    for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        names = sharding.names_of(leaf)[0] if isinstance(leaf, nnx.Variable) else None
+        out.extend([names] * len(jax.tree.leaves(leaf)))
+    return out
+
+
 def split_stack(params: nnx.State, stack: str) -> tuple[Any, nnx.State]:
     """``(the stacked blocks' params, every other param)``."""
     return params[stack], nnx.State({k: v for k, v in params.items() if k != stack})

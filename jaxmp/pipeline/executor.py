@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import sharding
-from jaxmp.pipeline.chunk import Chunk, PipelineSpec, join_stack, split_stack
+from jaxmp.pipeline.chunk import Chunk, PipelineSpec, join_stack, leaf_names, split_stack
 from jaxmp.pipeline.residuals import stash_layout, stash_policy, vjp_without_params
 from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import StageSplit
@@ -159,12 +159,28 @@ class _DeviceTicks:
         lmax = executor.split.max_blocks
         self.stack = jax.tree.map(lambda a: a.reshape((self.virtual, lmax) + a.shape[2:]), stack)
         self.shared, self.rest, self.microbatches = shared, rest, microbatches
+        # Each stack leaf's logical names for one chunk's rows [Lmax, ...] (stored ("stage",
+        # "layers", ...)): gradients are pinned to them, see `like_params`.
+        self.chunk_names = [("layers",) + tuple(names)[2:] if names else None
+                            for names in leaf_names(stack)]
         activation = chunk.activation(self.params(0), self.microbatch(0), rest)
         self.zero_activation = jnp.zeros(activation.shape, activation.dtype)  # A
 
     def params(self, local_chunk: Any) -> tuple:
         """``(shared, the chunk's stack rows [Lmax, ...])``."""
         return self.shared, jax.tree.map(lambda a: a[local_chunk], self.stack)
+
+    def like_params(self, chunk_tree: Any, lead: tuple = ()) -> Any:
+        """``chunk_tree`` (shaped like one chunk's stack rows, after ``lead`` dims) constrained
+        to the parameters' sharding. Without it, the partitioner leaves a weight gradient made
+        inside a tick's ``lax.cond`` unsharded and all-reduces it over fsdp in full (GPU-
+        compiled), instead of reduce-scattering it as the layer loop outside a pipeline does."""
+        flat, treedef = jax.tree.flatten(chunk_tree)
+        if len(flat) != len(self.chunk_names):
+            return chunk_tree
+        return treedef.unflatten([
+            sharding.constrain(x, (None,) * len(lead) + names) if names else x
+            for x, names in zip(flat, self.chunk_names)])
 
     def microbatch(self, index: Any) -> dict:
         return jax.tree.map(lambda a: a[index], self.microbatches)
@@ -211,7 +227,7 @@ class _TrainingTicks(_DeviceTicks):
             activations=jnp.zeros((program.act_slots + 1,) + zero.shape, zero.dtype),
             residuals=self.stash.empty(program.res_slots + 1),
             cotangents=jnp.zeros((program.ct_slots + 1,) + zero.shape, zero.dtype),
-            stack_grads=jax.tree.map(jnp.zeros_like, self.stack),
+            stack_grads=self.like_params(jax.tree.map(jnp.zeros_like, self.stack), (None,)),
             shared_grads=jax.tree.map(jnp.zeros_like, self.shared),
             loss_sum=jnp.float32(0), weight_sum=jnp.float32(0))
 
@@ -269,6 +285,7 @@ class _TrainingTicks(_DeviceTicks):
             else:
                 grads, x_cotangent, loss, weight = self._stashed_backward(state, inputs, params)
             shared_grads, chunk_grads = grads
+            chunk_grads = self.like_params(chunk_grads)
             return state._replace(
                 stack_grads=jax.tree.map(lambda acc, g: acc.at[local].add(g), state.stack_grads,
                                          chunk_grads),

@@ -119,13 +119,13 @@ def _verify_lines(v: dict, n: int) -> list[str]:
                    right={1, 2, 3})
     if "fits" in v:
         short = v.get("xla_rematerialization")
-        xla = (f"; XLA's rematerialization could not get below its limit of "
-               f"{fmt_bytes(short['limit_bytes'])}: needs {fmt_bytes(short['needed_bytes'])}"
-               if short else "")
+        xla = (f" (XLA's rematerialization pass estimated {fmt_bytes(short['needed_bytes'])} "
+               f"against its limit of {fmt_bytes(short['limit_bytes'])}: information, the "
+               f"runtime allocates the compiled peak)" if short else "")
         lines.append(f"fits in {fmt_bytes(v['memory_limit_bytes'])} per device: compiled "
                      f"{'yes' if v['fits'] else 'NO'}, predicted "
-                     f"{'yes' if v['predicted_fits'] else 'NO'}{xla}; compiled in "
-                     f"{v['compile_s']:.1f} s")
+                     f"{'yes' if v['predicted_fits'] else 'NO'}; compiled in "
+                     f"{v['compile_s']:.1f} s{xla}")
     if "collectives" in v:
         c = v["collectives"]
         lines += table(["collective", "bytes/device", "async", "overlapped", "exposed", "sync"],

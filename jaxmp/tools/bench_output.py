@@ -107,6 +107,13 @@ def render(result: Bench) -> str:
                 "busiest device's branches). \"as compiled\" counts every branch and the CPU "
                 "backend's all-reduce + dynamic-slice as it runs; the other columns count that "
                 "as the reduce-scatter GPU and TPU compile it to."]
+    warned = [r for r in ran if r.xla_rematerialization]
+    if warned:
+        out += ["", "XLA's rematerialization pass estimated more than its limit for: " + "; ".join(
+            f"{r.name} ({fmt_bytes(r.xla_rematerialization['needed_bytes'])} against "
+            f"{fmt_bytes(r.xla_rematerialization['limit_bytes'])})" for r in warned) +
+            ". Information only: the fit verdict is the compiled peak's, which is what the GPU "
+            "runtime allocates (docs/planner.md §7)."]
     skipped = [r for r in b.rows if r.reason]
     if skipped:
         out += ["", "## Not run", ""]

@@ -9,8 +9,9 @@ Trainer builds the step ``jaxmp train`` would run on that many deviceless H100s,
 compiler compiles it here, and the plan's predictions stand beside the compiled program's
 figures. Prints a markdown table: the layout, compile time, predicted / compiled peak per
 device, predicted / compiled collective bytes per device per step, the planner's fits verdict
-and the compiler's (XLA's rematerialization shortfall counts as not fitting), and the fsdp
-all-gathers of the layer loop left exposed. Needs JAX's CUDA plugin (``pip install -e
+and the compiled peak's (what the GPU runtime allocates), XLA's rematerialization estimate
+when it warned (information: docs/planner.md §7), and the fsdp all-gathers of the layer loop
+left exposed. Needs JAX's CUDA plugin (``pip install -e
 ".[cuda]"``); nothing runs, so no GPU is needed.
 """
 
@@ -61,9 +62,8 @@ def row(name: str, out: dict, wall: float) -> str:
     mesh = " x ".join(f"{k} {s}" for k, s in layout["mesh"].items() if s > 1)
     peak, comm = v["peak_bytes"], v["comm_bytes_per_step"]
     short = v.get("xla_rematerialization")
-    fits = "yes" if v["fits"] else ("no" + (f" (XLA: needs {short['needed_bytes'] / GIB:.1f} "
-                                             f"of {short['limit_bytes'] / GIB:.1f} GiB)"
-                                             if short else ""))
+    remat = (f"{short['needed_bytes'] / GIB:.1f} of {short['limit_bytes'] / GIB:.1f}"
+             if short else "–")
     coll = v["collectives"]
     signed = lambda r: (r["predicted"] - r["compiled"]) / r["compiled"]  # noqa: E731
     return (f"| {name} | {mesh}, remat {layout['remat']}, attention {layout['attention']} | "
@@ -71,8 +71,8 @@ def row(name: str, out: dict, wall: float) -> str:
             f"{peak['predicted'] / GIB:.1f} / {peak['compiled'] / GIB:.1f} "
             f"({signed(peak):+.1%}) | {comm['predicted'] / GIB:,.1f} / "
             f"{comm['compiled'] / GIB:,.1f} ({signed(comm):+.1%}) | "
-            f"{'yes' if v['predicted_fits'] else 'no'} / {fits} | "
-            f"{coll['loop_all_gathers_exposed']} of {coll['loop_all_gathers']} |")
+            f"{'yes' if v['predicted_fits'] else 'no'} / {'yes' if v['fits'] else 'no'} | "
+            f"{remat} | {coll['loop_all_gathers_exposed']} of {coll['loop_all_gathers']} |")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,12 +91,12 @@ def run(args: argparse.Namespace) -> int:
         wall = time.perf_counter() - start
         if done.returncode:
             print(done.stderr[-3000:], file=sys.stderr)
-            rows.append(f"| {name} | failed (exit {done.returncode}) | | | | | |")
+            rows.append(f"| {name} | failed (exit {done.returncode}) | | | | | | |")
             continue
         rows.append(row(name, json.loads(done.stdout), wall))
     print("\n| case | layout | compile (command) | peak GiB: predicted / compiled | "
-          "collective GiB: predicted / compiled | fits: planner / compiler | "
-          "loop all-gathers exposed |")
-    print("|---|---|---:|---:|---:|---|---:|")
+          "collective GiB: predicted / compiled | fits: planner / compiled peak | "
+          "XLA remat estimate: GiB of its limit | loop all-gathers exposed |")
+    print("|---|---|---:|---:|---:|---|---:|---:|")
     print("\n".join(rows))
     return 0

@@ -359,15 +359,21 @@ class Context:
                       reduce_dtype=reduce,
                       optimizer_sharding=optimizer_sharding(optimizer,
                                                             int(sizes.get("data", 1))),
-                      sequence_parallel=self.sp_choices(sizes)[-1] if sp is None else sp)
+                      sequence_parallel=(self.sp_choices(sizes, microbatches)[-1]
+                                         if sp is None else sp))
 
-    def sp_choices(self, sizes: Mapping[str, int]) -> tuple[bool, ...]:
+    def sp_choices(self, sizes: Mapping[str, int], microbatches: int = 1) -> tuple[bool, ...]:
         """The sequence parallelism the search tries on a mesh of ``sizes``
-        (:func:`jaxmp.plan.sequence.choices`)."""
+        (:func:`jaxmp.plan.sequence.choices`); "auto" leaves it off in an accumulation loop
+        where the compiler does not keep it (``DeviceProfile.sequence_parallel_in_loops``)."""
         fsdp, tensor = int(sizes.get("fsdp", 1)), int(sizes.get("tensor", 1))
         every = all(self.shard(i, fsdp, tensor).tensor_weights
                     == self.shard(i, fsdp, tensor).n_matrices
                     for i in self.first if self.cost.layers[i].kind == "block")
+        looped = microbatches > 1 and int(sizes.get("stage", 1)) == 1
+        if looped and self.sequence_parallel == "auto" \
+                and not self.profile.sequence_parallel_in_loops:
+            return (False,)
         return sequence_choices(self.sequence_parallel, tensor, self.seq_len, every)
 
     def outside_stack(self, fsdp: int, tensor: int) -> tuple[float, float]:

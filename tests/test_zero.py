@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxmp
 from jaxmp.config import OptimizerConfig
@@ -290,3 +291,37 @@ def test_gpu_compiled_step_shards_the_adam_state_as_predicted():
     (arg0, pred0, _), (arg1, pred1, stats) = out["none"], out["data"]
     assert abs((arg0 - arg1) - (pred0 - pred1)) <= 0.1 * (pred0 - pred1)
     assert stats.count_by_kind["reduce-scatter"] and stats.count_by_kind["all-gather"]
+
+
+class _Odd(nnx.Module):
+    """No dim any data size above 1 here divides (3 x 5, 5): nothing to cut over data."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(3, 5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+def _odd_loss(model, batch):
+    return jnp.mean(model(batch["x"]) ** 2)
+
+
+def test_a_model_with_nothing_data_divides_plans_what_it_builds():
+    """Sharding the optimizer over data cuts nothing in this model: with costs the planner
+    predicts "none" (what the Trainer builds), asked or auto; without costs an explicit
+    "data" is refused with one line naming the key."""
+    from jaxmp import Trainer, TrainerConfig
+    from jaxmp.errors import ConfigError
+
+    batch = {"x": jax.ShapeDtypeStruct((8, 3), jnp.float32)}
+    for asked in ("data", "auto"):
+        config = jaxmp.load_config(None, ["mesh.data=8", f"train.optimizer_sharding={asked}"],
+                                   schema=TrainerConfig)
+        t = Trainer(config, _Odd, _odd_loss, None, example_batch=batch)
+        assert t.plan.layout.optimizer_sharding == "none"
+        assert t.executed_layout().optimizer_sharding == "none"
+    config = jaxmp.load_config(None, ["mesh.data=8", "train.optimizer_sharding=data"],
+                               schema=TrainerConfig)
+    with pytest.raises(ConfigError, match="train.optimizer_sharding='data'"):
+        Trainer(config, _Odd, _odd_loss, None)

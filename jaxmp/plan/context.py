@@ -29,6 +29,7 @@ from jaxmp.pipeline.footprint import fold, stack_span
 from jaxmp.pipeline.stages import StageSplit, split_layers
 from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
                                reduction, sequence_parallel)
+from jaxmp.sharding.optimizer import data_dim
 from jaxmp.sharding.sequence import SEQ
 
 
@@ -332,10 +333,31 @@ class Context:
                       self.split(remat, stages, virtual) if stages > 1 else None,
                       reduction(sizes, compression, microbatches), wire, compression,
                       reduce_dtype=reduce,
-                      optimizer_sharding=optimizer_sharding(optimizer,
-                                                            int(sizes.get("data", 1))),
+                      optimizer_sharding=self.optimizer_sharding(optimizer, sizes),
                       sequence_parallel=sequence_parallel(
                           self.sequence_parallel, int(sizes.get("tensor", 1)), self.seq_len))
+
+    def optimizer_sharding(self, tried: str, sizes: Mapping[str, int]) -> str:
+        """The optimizer-state sharding a candidate builds: ``tried``, except ``"data"``
+        where no parameter has a dim whose local size ``data`` divides — the Trainer's
+        :func:`jaxmp.train.zero.built` then finds nothing cut and builds ``"none"``."""
+        data = int(sizes.get("data", 1))
+        chosen = optimizer_sharding(tried, data)
+        if chosen != "data":
+            return chosen
+        fsdp, tensor = int(sizes.get("fsdp", 1)), int(sizes.get("tensor", 1))
+        return "data" if self.cached(("data_cut", data, fsdp, tensor),
+                                     lambda: self._data_cuts(data, fsdp, tensor)) else "none"
+
+    def _data_cuts(self, data: int, fsdp: int, tensor: int) -> bool:
+        sizes = {"data": data, "stage": 1, "fsdp": fsdp, "tensor": tensor}
+        for lay in self.cost.layers:
+            for leaf in lay.params:
+                spec = sharding.resolve(leaf.names, leaf.shape, sizes, self.rules).spec \
+                    if leaf.names is not None else ()
+                if data_dim(spec, leaf.shape, sizes) is not None:
+                    return True
+        return False
 
     def outside_stack(self, fsdp: int, tensor: int) -> tuple[float, float]:
         """Parameter and optimizer bytes per device of the layers outside the layer stack

@@ -150,6 +150,10 @@ class Trainer:
                                  self.extensions, transform)
         if planned.optimizer_sharding == "data":  # Adam state cut over data too (ZeRO-1)
             self.layout = zero.shard_state(self.layout)
+            if zero.built(self.layout) != "data":  # planned without costs: nothing to cut
+                raise ConfigError(f"train.optimizer_sharding='data': no parameter of this "
+                                  f"model has a dim that data={planned.sizes['data']} "
+                                  f"divides; set it to 'none' or 'auto'")
         self.sharded_update = zero.ShardedUpdate.of(self.layout) \
             if zero.built(self.layout) == "data" else None
         checks.warn_idle_axes(self.layout, self.rules, path_rules, say)

@@ -32,6 +32,7 @@ Balance = Literal["flops", "layers"]
 GradCompression = Literal["none", "bfloat16", "int8", "powersgd"]
 WeightGather = Literal["auto", "param", "bfloat16", "int8"]
 OptimizerSharding = Literal["auto", "none", "data"]
+MasterWeights = Literal["auto", "float32", "none"]
 SequenceParallel = bool | Literal["auto"]  # "auto": the planner's (on when tensor > 1 allows)
 REMAT_POLICY_NAMES: tuple[str, ...] = get_args(RematPolicy)
 ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)
@@ -136,6 +137,10 @@ class TrainConfig(Section):
     # norms, residual adds and dropout sharded along the sequence over tensor (sequence
     # parallelism, jaxmp.sharding.sequence); "auto": wherever tensor > 1 and seq divides by it
     sequence_parallel: SequenceParallel = "auto"
+    # a float32 master copy of 16-bit params (model.param_dtype=bfloat16), updated by the
+    # optimizer and sharded like its moments (jaxmp.train.master); "auto": float32 whenever
+    # the params are narrower than float32; "none": the optimizer updates the 16-bit params
+    master_weights: MasterWeights = "auto"
 
     def _validate(self) -> None:
         m = self.microbatches

@@ -27,8 +27,8 @@ from jaxmp.devices import DeviceProfile
 from jaxmp.mesh import AXES
 from jaxmp.pipeline.footprint import fold, stack_span
 from jaxmp.pipeline.stages import StageSplit, split_layers
-from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
-                               reduction, sequence_parallel)
+from jaxmp.plan.layout import (Layout, effective_compression, master_weights, mesh_items,
+                               optimizer_sharding, reduction, sequence_parallel)
 from jaxmp.sharding.optimizer import data_dim
 from jaxmp.sharding.sequence import SEQ
 
@@ -96,8 +96,13 @@ class Context:
     def __init__(self, cost: ModelCost, profile: DeviceProfile, n_devices: int,
                  rules: Sequence = sharding.DEFAULT_RULES, balance: str = "flops",
                  compression: Compression | None = None, weights: str = "auto",
-                 compute_dtype: str | None = None, sequence_parallel: bool | str = "auto"):
+                 compute_dtype: str | None = None, sequence_parallel: bool | str = "auto",
+                 master_weights: str = "auto"):
         self.cost = cost
+        # a float32 master of 16-bit params (jaxmp.train.master): the master's bytes per
+        # stored param byte (2 for bfloat16 params; 1: no master)
+        self.master = master_weights_of(master_weights, cost)
+        self.master_factor = 4.0 / _itemsize(cost) if self.master != "none" else 1.0
         self.sequence_parallel = sequence_parallel
         self.compression = compression or Compression()
         # The data-axis gradient reduction's bytes relative to float32 (compression.gradients).
@@ -335,7 +340,8 @@ class Context:
                       reduce_dtype=reduce,
                       optimizer_sharding=self.optimizer_sharding(optimizer, sizes),
                       sequence_parallel=sequence_parallel(
-                          self.sequence_parallel, int(sizes.get("tensor", 1)), self.seq_len))
+                          self.sequence_parallel, int(sizes.get("tensor", 1)), self.seq_len),
+                      master_weights=self.master)
 
     def optimizer_sharding(self, tried: str, sizes: Mapping[str, int]) -> str:
         """The optimizer-state sharding a candidate builds: ``tried``, except ``"data"``
@@ -370,6 +376,19 @@ class Context:
             return float(own[outside].sum()), float((own * self.opt_ratio)[outside].sum())
 
         return self.cached(("outside", fsdp, tensor), sums)
+
+
+def _itemsize(cost: ModelCost) -> float:
+    """Bytes per element of the model's narrowest floating params (4 without any)."""
+    sizes = [leaf.nbytes / max(1, math.prod(leaf.shape)) for lay in cost.layers
+             for leaf in lay.params if math.prod(leaf.shape)]
+    return float(min(sizes)) if sizes else 4.0
+
+
+def master_weights_of(configured: str, cost: ModelCost) -> str:
+    """``train.master_weights`` decided for ``cost``'s model (its params' dtype)."""
+    item = _itemsize(cost)
+    return master_weights(configured, "bfloat16" if item == 2 else "float32")
 
 
 def zero_divisor(layout: Layout) -> int:

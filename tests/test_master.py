@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+import jaxmp
+from jaxmp._util.env import cuda_plugin_installed
 from jaxmp.checkpoint.inspect import digest
 
 from helpers import one_device
@@ -80,3 +82,36 @@ def test_checkpoints_move_between_master_and_float32_params(tmp_path):
                      "train.optimizer_sharding=data")
     assert back.executed_layout().master_weights == "float32"
     assert digest(back.state) == digest(plain.state)
+
+
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="JAX's CUDA plugin is not installed")
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry:UserWarning")
+def test_h100_compiled_bytes_are_predicted():
+    """Deviceless 8 x H100 (the GPU compiler keeps 16-bit collectives 16-bit; XLA's CPU backend
+    widens them): the master cut over data is all-gathered in bfloat16 and the gradients
+    reduce-scattered in bfloat16 — the planner's argument, temporary (±10 %) and collective
+    (±2 %) bytes."""
+    from jaxmp.hlo import collective_stats
+    from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
+    from jaxmp.topology import gpu_topology, without_persistent_cache
+
+    without_persistent_cache()
+    devices = list(gpu_topology(8, "H100").devices)
+    base = ["model.layers=2", "model.d_model=64", "model.heads=8", "model.mlp_dim=256",
+            "model.vocab_size=256", "model.tie_embeddings=false", "data.seq_len=16",
+            "train.batch_size=16", "checkpoint.enabled=false", "train.sequence_parallel=false",
+            "model.compute_dtype=bfloat16", "mesh.data=8", "train.optimizer_sharding=data",
+            "model.param_dtype=bfloat16"]
+    config = jaxmp.load_config(None, base)
+    t = gpt_trainer(config, devices=devices, with_data=False,
+                    plan=gpt_plan(config, 8, device_kind="H100", platform="cuda"))
+    assert t.executed_layout() == t.plan.layout and t.plan.layout.master_weights == "float32"
+    c = t.compile()
+    mem, stats, p = c.memory_analysis(), collective_stats(c), t.plan.predicted
+    assert mem.argument_size_in_bytes == pytest.approx(p.argument_bytes, rel=0.01)
+    assert mem.temp_size_in_bytes == pytest.approx(p.per_device_bytes - p.argument_bytes,
+                                                   rel=0.10)
+    assert stats.total_bytes == pytest.approx(sum(p.comm_bytes.values()), rel=0.02)
+    kinds = stats.bytes_by_kind
+    assert kinds["all-gather"] == pytest.approx(kinds["reduce-scatter"], rel=0.01)
+    assert kinds["all-reduce"] < 0.01 * stats.total_bytes

@@ -391,6 +391,38 @@ def master_weights_of(configured: str, cost: ModelCost) -> str:
     return master_weights(configured, "bfloat16" if item == 2 else "float32")
 
 
+@dataclass(frozen=True)
+class MasterTerms:
+    """Per device: ``stored`` (the params argument), ``optimizer`` (its state), ``copy`` (the
+    16-bit params a step computes with beside a float32 master: a temporary) and ``wide``
+    (the gradients' bytes per stored param byte once they reach the optimizer)."""
+
+    stored: float
+    optimizer: float
+    copy: float
+    wide: float
+
+    def data_factor(self, microbatches: int, zero: int) -> float:
+        """The data reduction's bytes per stored param byte, times ``(data-1)/data``: an
+        all-reduce (2), or a reduce-scatter and an all-gather of the updated params (1 + 1).
+        With a master the gradients are reduced 16-bit from one backward pass, float32 once
+        summed over microbatches, and the params gathered 16-bit (GPU-compiled; XLA's CPU
+        backend widens 16-bit collectives to float32)."""
+        grads = self.wide if microbatches > 1 else 1.0
+        return grads + (1.0 if zero > 1 else grads)
+
+
+def master_terms(ctx: Context, layout: Layout, params: float, optimizer: float) -> MasterTerms:
+    """``params`` / ``optimizer``: the model's own bytes per device (its dtype, the rules'
+    sharding). With a float32 master (:mod:`jaxmp.train.master`) the state stores it and the
+    moments in float32, cut over data with the optimizer; the 16-bit params are a copy."""
+    zero = zero_divisor(layout)
+    if layout.master_weights == "none":
+        return MasterTerms(params, optimizer / zero, 0.0, 1.0)
+    f = ctx.master_factor
+    return MasterTerms(params * f / zero, optimizer * f / zero, params, f)
+
+
 def zero_divisor(layout: Layout) -> int:
     """What the optimizer state and its update are divided by beyond the params' sharding:
     ``data`` when it is sharded over data (:mod:`jaxmp.train.zero`), else 1."""

@@ -117,15 +117,19 @@ class MasterWeights:
     def compute(self, master: Any) -> Any:
         """The master in the model's dtypes, on the model's shardings (an all-gather of the
         16-bit copy when the master is cut over data)."""
+        wsc = jax.lax.with_sharding_constraint
         leaves, treedef = jax.tree.flatten(master)
         cast = jax.tree.unflatten(treedef, [x.astype(d) for x, d in zip(leaves, self.dtypes,
                                                                           strict=True)])
-        return jax.lax.with_sharding_constraint(cast, self.compute_shardings)
+        # cast on the master's slices, then gathered: the all-gather moves 16-bit params
+        return wsc(wsc(cast, self.master_shardings), self.compute_shardings)
 
     def __call__(self, tx: optax.GradientTransformation, grads: Any, opt_state: Any,
                  master: Any) -> tuple[Any, Any, Any]:
         """``(master, opt_state, grads)`` after one float32 update on the master's slices."""
+        # the data all-reduce becomes a reduce-scatter, in the gradients' dtype (16-bit from
+        # one backward pass, float32 summed over microbatches), then widened on the slice
+        grads = jax.lax.with_sharding_constraint(grads, self.master_shardings)
         grads = jax.tree.map(lambda g: g.astype(MASTER_DTYPE) if narrow(g.dtype) else g, grads)
-        grads = jax.lax.with_sharding_constraint(grads, self.master_shardings)  # reduce-scatter
         updates, opt_state = tx.update(grads, opt_state, master)
         return optax.apply_updates(master, updates), opt_state, grads

@@ -115,3 +115,24 @@ def test_h100_compiled_bytes_are_predicted():
     kinds = stats.bytes_by_kind
     assert kinds["all-gather"] == pytest.approx(kinds["reduce-scatter"], rel=0.01)
     assert kinds["all-reduce"] < 0.01 * stats.total_bytes
+
+
+def test_nemo_175b_master_and_moments_divide_by_data():
+    """NeMo's GPT-3 175B layout (bf16 params, data 4, 64 microbatches): sharding the optimizer
+    over data divides the float32 master and the moments by 4, and the data reduction moves a
+    float32 reduce-scatter and a bf16 all-gather (3 bytes per param) where the float32
+    all-reduce moved 4."""
+    from jaxmp.recipes.gpt import gpt_plan
+    from jaxmp.recipes.published import PUBLISHED_ZERO, run_config
+
+    run = next(r for r in PUBLISHED_ZERO if "175B" in r.name)
+    config = run_config(run, layout=True)
+    on = gpt_plan(config, run.devices, run.device, strict=True, find_devices_needed=False)
+    off = gpt_plan(jaxmp.config.replace(config, train={"optimizer_sharding": "none"}),
+                   run.devices, run.device, strict=True, find_devices_needed=False)
+    assert on.layout.master_weights == off.layout.master_weights == "float32"
+    d, a, b = on.mesh["data"], on.predicted, off.predicted
+    assert a.param_bytes == pytest.approx(b.param_bytes / d)
+    assert a.optimizer_bytes == pytest.approx(b.optimizer_bytes / d)
+    assert a.comm_bytes["data"] == pytest.approx(b.comm_bytes["data"] * 3 / 4)
+    assert on.fits and not off.fits

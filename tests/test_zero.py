@@ -226,13 +226,15 @@ def test_auto_shards_the_optimizer_state_only_when_the_replicated_one_does_not_f
 
 
 def test_the_nemo_175b_layout_sheds_three_quarters_of_its_adam_state():
-    """NeMo's GPT-3 175B layout (data 4): the moments divide by 4, nothing else changes —
-    bytes on the wire included (it does not fit yet: jaxmp/recipes/published.py says why)."""
+    """NeMo's GPT-3 175B layout (data 4) with float32 params: the moments divide by 4,
+    nothing else changes — bytes on the wire included (the published row runs bf16 params
+    with a float32 master, sharded too: tests/test_master.py, jaxmp/train/master.py)."""
     from jaxmp.recipes.gpt import gpt_plan
     from jaxmp.recipes.published import PUBLISHED_ZERO, run_config
 
     run = next(r for r in PUBLISHED_ZERO if "175B" in r.name)
-    config = run_config(run, layout=True)
+    config = jaxmp.config.replace(run_config(run, layout=True),
+                                  model={"param_dtype": "float32"})
     on = gpt_plan(config, run.devices, run.device, strict=True, find_devices_needed=False)
     off = gpt_plan(jaxmp.config.replace(config, train={"optimizer_sharding": "none"}),
                    run.devices, run.device, strict=True, find_devices_needed=False)

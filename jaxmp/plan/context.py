@@ -27,8 +27,9 @@ from jaxmp.devices import DeviceProfile
 from jaxmp.mesh import AXES
 from jaxmp.pipeline.footprint import fold, stack_span
 from jaxmp.pipeline.stages import StageSplit, split_layers
-from jaxmp.plan.layout import (Layout, effective_compression, master_weights, mesh_items,
-                               optimizer_sharding, reduction, sequence_parallel)
+from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
+                               reduction, sequence_parallel)
+from jaxmp.plan.master import itemsize, master_weights_of
 from jaxmp.sharding.optimizer import data_dim
 from jaxmp.sharding.sequence import SEQ
 
@@ -102,7 +103,7 @@ class Context:
         # a float32 master of 16-bit params (jaxmp.train.master): the master's bytes per
         # stored param byte (2 for bfloat16 params; 1: no master)
         self.master = master_weights_of(master_weights, cost)
-        self.master_factor = 4.0 / _itemsize(cost) if self.master != "none" else 1.0
+        self.master_factor = 4.0 / itemsize(cost) if self.master != "none" else 1.0
         self.sequence_parallel = sequence_parallel
         self.compression = compression or Compression()
         # The data-axis gradient reduction's bytes relative to float32 (compression.gradients).
@@ -376,51 +377,6 @@ class Context:
             return float(own[outside].sum()), float((own * self.opt_ratio)[outside].sum())
 
         return self.cached(("outside", fsdp, tensor), sums)
-
-
-def _itemsize(cost: ModelCost) -> float:
-    """Bytes per element of the model's narrowest floating params (4 without any)."""
-    sizes = [leaf.nbytes / max(1, math.prod(leaf.shape)) for lay in cost.layers
-             for leaf in lay.params if math.prod(leaf.shape)]
-    return float(min(sizes)) if sizes else 4.0
-
-
-def master_weights_of(configured: str, cost: ModelCost) -> str:
-    """``train.master_weights`` decided for ``cost``'s model (its params' dtype)."""
-    item = _itemsize(cost)
-    return master_weights(configured, "bfloat16" if item == 2 else "float32")
-
-
-@dataclass(frozen=True)
-class MasterTerms:
-    """Per device: ``stored`` (the params argument), ``optimizer`` (its state), ``copy`` (the
-    16-bit params a step computes with beside a float32 master: a temporary) and ``wide``
-    (the gradients' bytes per stored param byte once they reach the optimizer)."""
-
-    stored: float
-    optimizer: float
-    copy: float
-    wide: float
-
-    def data_factor(self, microbatches: int, zero: int) -> float:
-        """The data reduction's bytes per stored param byte, times ``(data-1)/data``: an
-        all-reduce (2), or a reduce-scatter and an all-gather of the updated params (1 + 1).
-        With a master the gradients are reduced 16-bit from one backward pass, float32 once
-        summed over microbatches, and the params gathered 16-bit (GPU-compiled; XLA's CPU
-        backend widens 16-bit collectives to float32)."""
-        grads = self.wide if microbatches > 1 else 1.0
-        return grads + (1.0 if zero > 1 else grads)
-
-
-def master_terms(ctx: Context, layout: Layout, params: float, optimizer: float) -> MasterTerms:
-    """``params`` / ``optimizer``: the model's own bytes per device (its dtype, the rules'
-    sharding). With a float32 master (:mod:`jaxmp.train.master`) the state stores it and the
-    moments in float32, cut over data with the optimizer; the 16-bit params are a copy."""
-    zero = zero_divisor(layout)
-    if layout.master_weights == "none":
-        return MasterTerms(params, optimizer / zero, 0.0, 1.0)
-    f = ctx.master_factor
-    return MasterTerms(params * f / zero, optimizer * f / zero, params, f)
 
 
 def zero_divisor(layout: Layout) -> int:

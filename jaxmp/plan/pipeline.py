@@ -32,8 +32,9 @@ from jaxmp.mesh import AXES
 from jaxmp.pipeline.footprint import buffer_slots, chunk_ranges
 from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import StageSplit
-from jaxmp.plan.context import Context, master_terms, zero_divisor
+from jaxmp.plan.context import Context, zero_divisor
 from jaxmp.plan.layout import Layout
+from jaxmp.plan.master import master_terms
 from jaxmp.plan.prediction import STEP_STATE_BYTES, Prediction
 
 
@@ -128,8 +129,8 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     # Optimizer state sharded over data divides it; the update, though sliced too, comes after
     # the schedule has freed its buffers, so the peak (and this term) keeps two param-sized
     # arrays either way (GPU-compiled: docs/benchmarks.md). A float32 master: see master_terms.
-    m = master_terms(ctx, layout, params, virtual * lmax * blk["param_local"]
-                     * ctx.opt_ratio[ctx.span[0]] + k.shared_opt)
+    m = master_terms(ctx.master_factor, layout, params, virtual * lmax * blk["param_local"]
+                     * ctx.opt_ratio[ctx.span[0]] + k.shared_opt, zero_divisor(layout))
     opt = m.optimizer
     # a master: the float32 grads, the update on the master's slices, the 16-bit params
     grads = params * m.wide * (1 + 1 / zero_divisor(layout)) + m.copy if m.copy else 2 * params

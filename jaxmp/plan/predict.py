@@ -19,7 +19,7 @@ predicts the rest, where every device runs every layer:
   the update divide by ``data``; the gradient reduction becomes a reduce-scatter and an
   all-gather of the updated params (the same bytes), the all-gather exposed at the step's end.
 * **float32 master weights** of 16-bit params (``train.master_weights``,
-  :func:`~jaxmp.plan.context.master_terms`): the arguments hold the float32 master and
+  :func:`~jaxmp.plan.master.master_terms`): the arguments hold the float32 master and
   moments (divided by ``data`` with the optimizer sharded); the step holds the 16-bit copy
   the model computes with, and its gradients reach the optimizer in float32.
 * **communication**, ring formulas, bytes each device sends: ``data`` all-reduces gradients,
@@ -39,8 +39,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxmp.mesh import AXES
-from jaxmp.plan.context import Context, LayerTable, master_terms, overlapped, zero_divisor
+from jaxmp.plan.context import Context, LayerTable, overlapped, zero_divisor
 from jaxmp.plan.layout import Layout
+from jaxmp.plan.master import master_terms
 from jaxmp.plan.pipeline import predict_pipeline
 from jaxmp.plan.prediction import STEP_STATE_BYTES, Prediction
 
@@ -58,7 +59,8 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     own = np.where(ctx.tied, 0.0, table.param_local)  # tied weights: stored once
     params = float(own.sum())
     zero = zero_divisor(layout)
-    m = master_terms(ctx, layout, params, float((own * ctx.opt_ratio).sum()))
+    m = master_terms(ctx.master_factor, layout, params, float((own * ctx.opt_ratio).sum()),
+                     zero)
     opt = m.optimizer
     batch = cost.batch_bytes / (data * fsdp)
     args = m.stored + opt + batch + STEP_STATE_BYTES

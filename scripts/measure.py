@@ -37,6 +37,7 @@ STUDIES = {
     "deviceless-attention": "deviceless_attention",
     "deviceless-scale": "deviceless_scale",
     "optimizer-sharding": "optimizer_sharding",
+    "master-weights": "master_weights",
     "sequence-parallel": "sequence_parallel",
     "overhead": "overhead",
     "checkpoint": "checkpoint",

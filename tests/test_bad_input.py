@@ -143,6 +143,8 @@ CASES = [
     Case("two mesh axes set to -1", train("mesh.data=-1", "mesh.fsdp=-1"), 2, "only one mesh"),
     Case("zero-size mesh axis", train("mesh.tensor=0"), 2, "mesh.tensor: must be >= 1"),
     Case("train.max_skipped 0", train("train.max_skipped=0"), 2, "train.max_skipped"),
+    Case("master_weights not a choice", train("train.master_weights=fp32"), 2,
+         "train.master_weights: must be one of 'auto', 'float32', 'none'"),
     Case("sequence_parallel neither a boolean nor auto", train("train.sequence_parallel=yes"), 2,
          "train.sequence_parallel: expected a boolean or 'auto'"),
     Case("sequence parallel on a sequence tensor does not divide",

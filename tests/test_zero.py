@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxmp
 from jaxmp.config import OptimizerConfig
@@ -225,13 +226,15 @@ def test_auto_shards_the_optimizer_state_only_when_the_replicated_one_does_not_f
 
 
 def test_the_nemo_175b_layout_sheds_three_quarters_of_its_adam_state():
-    """NeMo's GPT-3 175B layout (data 4): the moments divide by 4, nothing else changes —
-    bytes on the wire included (it does not fit yet: jaxmp/recipes/published.py says why)."""
+    """NeMo's GPT-3 175B layout (data 4) with float32 params: the moments divide by 4,
+    nothing else changes — bytes on the wire included (the published row runs bf16 params
+    with a float32 master, sharded too: tests/test_master.py, jaxmp/train/master.py)."""
     from jaxmp.recipes.gpt import gpt_plan
     from jaxmp.recipes.published import PUBLISHED_ZERO, run_config
 
     run = next(r for r in PUBLISHED_ZERO if "175B" in r.name)
-    config = run_config(run, layout=True)
+    config = jaxmp.config.replace(run_config(run, layout=True),
+                                  model={"param_dtype": "float32"})
     on = gpt_plan(config, run.devices, run.device, strict=True, find_devices_needed=False)
     off = gpt_plan(jaxmp.config.replace(config, train={"optimizer_sharding": "none"}),
                    run.devices, run.device, strict=True, find_devices_needed=False)
@@ -290,3 +293,37 @@ def test_gpu_compiled_step_shards_the_adam_state_as_predicted():
     (arg0, pred0, _), (arg1, pred1, stats) = out["none"], out["data"]
     assert abs((arg0 - arg1) - (pred0 - pred1)) <= 0.1 * (pred0 - pred1)
     assert stats.count_by_kind["reduce-scatter"] and stats.count_by_kind["all-gather"]
+
+
+class _Odd(nnx.Module):
+    """No dim any data size above 1 here divides (3 x 5, 5): nothing to cut over data."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(3, 5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+def _odd_loss(model, batch):
+    return jnp.mean(model(batch["x"]) ** 2)
+
+
+def test_a_model_with_nothing_data_divides_plans_what_it_builds():
+    """Sharding the optimizer over data cuts nothing in this model: with costs the planner
+    predicts "none" (what the Trainer builds), asked or auto; without costs an explicit
+    "data" is refused with one line naming the key."""
+    from jaxmp import Trainer, TrainerConfig
+    from jaxmp.errors import ConfigError
+
+    batch = {"x": jax.ShapeDtypeStruct((8, 3), jnp.float32)}
+    for asked in ("data", "auto"):
+        config = jaxmp.load_config(None, ["mesh.data=8", f"train.optimizer_sharding={asked}"],
+                                   schema=TrainerConfig)
+        t = Trainer(config, _Odd, _odd_loss, None, example_batch=batch)
+        assert t.plan.layout.optimizer_sharding == "none"
+        assert t.executed_layout().optimizer_sharding == "none"
+    config = jaxmp.load_config(None, ["mesh.data=8", "train.optimizer_sharding=data"],
+                               schema=TrainerConfig)
+    with pytest.raises(ConfigError, match="train.optimizer_sharding='data'"):
+        Trainer(config, _Odd, _odd_loss, None)

@@ -32,6 +32,7 @@ Balance = Literal["flops", "layers"]
 GradCompression = Literal["none", "bfloat16", "int8", "powersgd"]
 WeightGather = Literal["auto", "param", "bfloat16", "int8"]
 OptimizerSharding = Literal["auto", "none", "data"]
+MasterWeights = Literal["auto", "float32", "none"]
 SequenceParallel = bool | Literal["auto"]  # "auto": the planner's (on when tensor > 1 allows)
 REMAT_POLICY_NAMES: tuple[str, ...] = get_args(RematPolicy)
 ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)
@@ -137,6 +138,10 @@ class TrainConfig(Section):
     # parallelism, jaxmp.sharding.sequence); "auto": the planner tries it where tensor > 1
     # splits the sequence and every block matrix, and keeps it when it pays (plan/sequence.py)
     sequence_parallel: SequenceParallel = "auto"
+    # a float32 master copy of 16-bit params (model.param_dtype=bfloat16), updated by the
+    # optimizer and sharded like its moments (jaxmp.train.master); "auto": float32 whenever
+    # the params are narrower than float32; "none": the optimizer updates the 16-bit params
+    master_weights: MasterWeights = "auto"
 
     def _validate(self) -> None:
         m = self.microbatches

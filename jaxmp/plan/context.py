@@ -30,6 +30,8 @@ from jaxmp.pipeline.stages import StageSplit, split_layers
 from jaxmp.plan.sequence import choices as sequence_choices, regather_bytes
 from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
                                reduction)
+from jaxmp.plan.master import itemsize, master_weights_of
+from jaxmp.sharding.optimizer import data_dim
 from jaxmp.sharding.sequence import SEQ
 
 
@@ -100,8 +102,13 @@ class Context:
     def __init__(self, cost: ModelCost, profile: DeviceProfile, n_devices: int,
                  rules: Sequence = sharding.DEFAULT_RULES, balance: str = "flops",
                  compression: Compression | None = None, weights: str = "auto",
-                 compute_dtype: str | None = None, sequence_parallel: bool | str = "auto"):
+                 compute_dtype: str | None = None, sequence_parallel: bool | str = "auto",
+                 master_weights: str = "auto"):
         self.cost = cost
+        # a float32 master of 16-bit params (jaxmp.train.master): the master's bytes per
+        # stored param byte (2 for bfloat16 params; 1: no master)
+        self.master = master_weights_of(master_weights, cost)
+        self.master_factor = 4.0 / itemsize(cost) if self.master != "none" else 1.0
         self.sequence_parallel = sequence_parallel
         self.compression = compression or Compression()
         # The data-axis gradient reduction's bytes relative to float32 (compression.gradients).
@@ -357,10 +364,10 @@ class Context:
                       self.split(remat, stages, virtual) if stages > 1 else None,
                       reduction(sizes, compression, microbatches), wire, compression,
                       reduce_dtype=reduce,
-                      optimizer_sharding=optimizer_sharding(optimizer,
-                                                            int(sizes.get("data", 1))),
+                      optimizer_sharding=self.optimizer_sharding(optimizer, sizes),
                       sequence_parallel=(self.sp_choices(sizes, microbatches)[-1]
-                                         if sp is None else sp))
+                                         if sp is None else sp),
+                      master_weights=self.master)
 
     def sp_choices(self, sizes: Mapping[str, int], microbatches: int = 1) -> tuple[bool, ...]:
         """The sequence parallelism the search tries on a mesh of ``sizes``
@@ -375,6 +382,28 @@ class Context:
                 and not self.profile.sequence_parallel_in_loops:
             return (False,)
         return sequence_choices(self.sequence_parallel, tensor, self.seq_len, every)
+
+    def optimizer_sharding(self, tried: str, sizes: Mapping[str, int]) -> str:
+        """The optimizer-state sharding a candidate builds: ``tried``, except ``"data"``
+        where no parameter has a dim whose local size ``data`` divides — the Trainer's
+        :func:`jaxmp.train.zero.built` then finds nothing cut and builds ``"none"``."""
+        data = int(sizes.get("data", 1))
+        chosen = optimizer_sharding(tried, data)
+        if chosen != "data":
+            return chosen
+        fsdp, tensor = int(sizes.get("fsdp", 1)), int(sizes.get("tensor", 1))
+        return "data" if self.cached(("data_cut", data, fsdp, tensor),
+                                     lambda: self._data_cuts(data, fsdp, tensor)) else "none"
+
+    def _data_cuts(self, data: int, fsdp: int, tensor: int) -> bool:
+        sizes = {"data": data, "stage": 1, "fsdp": fsdp, "tensor": tensor}
+        for lay in self.cost.layers:
+            for leaf in lay.params:
+                spec = sharding.resolve(leaf.names, leaf.shape, sizes, self.rules).spec \
+                    if leaf.names is not None else ()
+                if data_dim(spec, leaf.shape, sizes) is not None:
+                    return True
+        return False
 
     def outside_stack(self, fsdp: int, tensor: int) -> tuple[float, float]:
         """Parameter and optimizer bytes per device of the layers outside the layer stack

@@ -45,7 +45,9 @@ class Layout:
     attention its own way). ``optimizer_sharding`` is ``"data"`` when the optimizer state is
     sharded over the data axis as well (ZeRO-1, :mod:`jaxmp.train.zero`; only with
     ``data > 1``), else ``"none"``. ``sequence_parallel``: the residual stream's sequence dim
-    is sharded over ``tensor`` (never without a tensor axis).
+    is sharded over ``tensor`` (never without a tensor axis). ``master_weights`` is
+    ``"float32"`` when the state keeps a float32 master of 16-bit params that the optimizer
+    updates (:mod:`jaxmp.train.master`), else ``"none"``.
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -61,6 +63,7 @@ class Layout:
     reduce_dtype: str = "param"
     optimizer_sharding: str = "none"
     sequence_parallel: bool = False
+    master_weights: str = "none"
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -117,6 +120,14 @@ def optimizer_sharding(configured: str, data: int, auto: str = "none") -> str:
     if data <= 1:
         return "none"
     return auto if configured == "auto" else configured
+
+
+def master_weights(configured: str, param_dtype: str | None) -> str:
+    """Whether a layout keeps a float32 master (``train.master_weights``): ``"float32"``
+    where the model's narrowest float params (``param_dtype``; None: unknown) are 16-bit,
+    unless the user said ``"none"`` — with float32 params there is nothing to keep."""
+    narrow = param_dtype in ("bfloat16", "float16")
+    return "float32" if narrow and configured != "none" else "none"
 
 
 def sequence_parallel(setting: bool | str, tensor: int, seq_len: int | None) -> bool:

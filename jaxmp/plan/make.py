@@ -42,8 +42,8 @@ from jaxmp.models.attention import AttentionChoice
 from jaxmp.pipeline.footprint import stack_span
 from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import split_layers
-from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
-                               reduction, sequence_parallel)
+from jaxmp.plan.layout import (Layout, effective_compression, master_weights, mesh_items,
+                               optimizer_sharding, reduction, sequence_parallel)
 from jaxmp.plan.plan import Plan, plan
 from jaxmp.plan.search import PipelineOptions
 from jaxmp.sharding.sequence import SEQ
@@ -135,7 +135,8 @@ def make_plan(config: TrainerConfig, cost: ModelCost | None, n_devices: int, *,
               remat: str = "none", remats: Sequence[str] | None = None,
               device_kind: str | None = None, strict: bool = False, measure_cpu: bool = False,
               top: int = 8, find_devices_needed: bool = True,
-              attention: AttentionChoice | None = None) -> Plan:
+              attention: AttentionChoice | None = None,
+              param_dtype: str | None = None) -> Plan:
     """The plan of one run: ``config``'s fixed keys as constraints, every ``"auto"`` decided.
 
     ``cost``: the model's per-layer costs (None: the config with defaults, no predictions);
@@ -168,7 +169,8 @@ def make_plan(config: TrainerConfig, cost: ModelCost | None, n_devices: int, *,
     compression = Compression.from_config(config.compression)
     if cost is None:
         return _with_attention(_from_config(config, fixed, rules, n_blocks, compression,
-                                            compute_dtype, remat, start), attention)
+                                            compute_dtype, remat, start, param_dtype),
+                               attention)
     profile = profile_from_config(config.device, device_kind, strict=strict,
                                   measure_cpu=measure_cpu)
     auto = cost.runs_as == "auto"
@@ -182,7 +184,8 @@ def make_plan(config: TrainerConfig, cost: ModelCost | None, n_devices: int, *,
                   weights=config.compression.weights, compute_dtype=compute_dtype,
                   find_devices_needed=find_devices_needed,
                   optimizer_sharding=config.train.optimizer_sharding,
-                  sequence_parallel=config.train.sequence_parallel)
+                  sequence_parallel=config.train.sequence_parallel,
+                  master_weights=config.train.master_weights)
     check_sequence_parallel(config, cost, result.layout)
     if result.layout.split is not None and stack_blocks is not None and \
             result.layout.split.n_blocks != stack_blocks:
@@ -225,7 +228,7 @@ def _blocks(cost: ModelCost | None, stack_blocks: int | None) -> int | None:
 
 def _from_config(config: TrainerConfig, sizes: dict[str, int], rules: tuple,
                  n_blocks: int | None, compression: Compression, compute_dtype: str | None,
-                 remat: str, start: float) -> Plan:
+                 remat: str, start: float, param_dtype: str | None = None) -> Plan:
     """The layout without model costs: the config's values and the documented defaults."""
     stages = sizes["stage"]
     kind, virtual, configured = _pipeline_defaults(config, stages)
@@ -244,7 +247,8 @@ def _from_config(config: TrainerConfig, sizes: dict[str, int], rules: tuple,
                     optimizer_sharding=optimizer_sharding(config.train.optimizer_sharding,
                                                           sizes["data"]),
                     sequence_parallel=sequence_parallel(config.train.sequence_parallel,
-                                                        sizes["tensor"], None))
+                                                        sizes["tensor"], None),
+                    master_weights=master_weights(config.train.master_weights, param_dtype))
     if stages > 1:
         Schedule(layout.schedule, stages, microbatches, layout.virtual_stages)  # validates
     return Plan(layout, predicted=None, fits=None, runnable=True, rules=rules,

@@ -34,6 +34,7 @@ from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import StageSplit
 from jaxmp.plan.context import Context, zero_divisor
 from jaxmp.plan.layout import Layout
+from jaxmp.plan.master import master_terms
 from jaxmp.plan.prediction import STEP_STATE_BYTES, Prediction
 
 
@@ -127,10 +128,12 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     params = virtual * lmax * blk["param_local"] + k.shared
     # Optimizer state sharded over data divides it; the update, though sliced too, comes after
     # the schedule has freed its buffers, so the peak (and this term) keeps two param-sized
-    # arrays either way (GPU-compiled: docs/benchmarks.md).
-    opt = (virtual * lmax * blk["param_local"] * ctx.opt_ratio[ctx.span[0]] + k.shared_opt) \
-        / zero_divisor(layout)
-    grads = 2 * params  # the stacked and shared gradients, then the optimizer's update
+    # arrays either way (GPU-compiled: docs/benchmarks.md). A float32 master: see master_terms.
+    m = master_terms(ctx.master_factor, layout, params, virtual * lmax * blk["param_local"]
+                     * ctx.opt_ratio[ctx.span[0]] + k.shared_opt, zero_divisor(layout))
+    opt = m.optimizer
+    # a master: the float32 grads, the update on the master's slices, the 16-bit params
+    grads = params * m.wide * (1 + 1 / zero_divisor(layout)) + m.copy if m.copy else 2 * params
 
     # Buffers, as wide as the busiest device needs (plus the spare slot idle ticks write).
     slots = buffer_slots(schedule)
@@ -151,7 +154,7 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     what = max(options, key=options.get)
     chunk_grads = lmax * blk["param_local"]
     working = options[what] + chunk_grads
-    args = params + opt + batch + STEP_STATE_BYTES
+    args = m.stored + opt + batch + STEP_STATE_BYTES
     total = args + grads + acts + working
 
     # Time: lockstep ticks paced by the slowest chunk.
@@ -164,7 +167,8 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     comm["fsdp"] = microbatches * ch.busiest(prefix["fsdp_bytes"], stages)
     if data > 1:  # once per step, after the schedule (jaxmp.compression.reduce), encoded per
         # compression.gradients: the device's chunks of the stack and the shared params
-        comm["data"] = ctx.grad_bytes_factor * 2 * (data - 1) / data * (
+        comm["data"] = ctx.grad_bytes_factor * m.data_factor(microbatches, zero_divisor(
+            layout)) * (data - 1) / data * (
             ch.busiest_blocks * blk["param_local"] + k.shared)
     comm["stage"] = schedule.n_ticks * 2 * k.boundary + 2 * (stages - 1) / stages * k.shared
     bw = ctx.link_bw(sizes)
@@ -179,7 +183,7 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     flops_step = ctx.flops_per_step(layout.remat)
     busy = np.bincount(ch.device, chunk_time, minlength=stages) * microbatches
     return Prediction(
-        param_bytes=params, optimizer_bytes=opt, grad_bytes=grads, activation_bytes=acts,
+        param_bytes=m.stored, optimizer_bytes=opt, grad_bytes=grads, activation_bytes=acts,
         working_bytes=working, batch_bytes=batch, argument_bytes=args, per_device_bytes=total,
         flops_per_step=flops_step, flops_per_device=flops_step / ctx.n, compute_s=compute,
         bubble_s=bubble, comm_s=comm_s, comm_bytes=comm, step_time_s=step,

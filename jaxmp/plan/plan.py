@@ -173,12 +173,14 @@ class SearchSettings:
     compute_dtype: str | None = None
     optimizer_sharding: str = "auto"
     sequence_parallel: bool | str = "auto"
+    master_weights: str = "auto"
 
     def context(self, cost: ModelCost, n: int, profile: DeviceProfile) -> Context:
         return Context(cost, profile, n, self.rules, balance=self.balance,
                        compression=self.compression, weights=self.weights,
                        compute_dtype=self.compute_dtype,
-                       sequence_parallel=self.sequence_parallel)
+                       sequence_parallel=self.sequence_parallel,
+                       master_weights=self.master_weights)
 
     def search(self, ctx: Context, fixed: Mapping[str, int] | None = None) -> SearchResult:
         try:
@@ -224,7 +226,8 @@ def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
          pipeline: PipelineOptions | None = None, balance: str = "flops",
          compression: Compression | None = None, weights: str = "auto",
          compute_dtype: str | None = None, find_devices_needed: bool = True,
-         optimizer_sharding: str = "auto", sequence_parallel: bool | str = "auto") -> Plan:
+         optimizer_sharding: str = "auto", sequence_parallel: bool | str = "auto",
+         master_weights: str = "auto") -> Plan:
     """Plan ``cost`` (from :func:`jaxmp.cost.model_costs`) on ``n_devices`` of ``profile``:
     the search behind :func:`jaxmp.plan.make_plan`, which turns a run's config into these
     arguments.
@@ -236,7 +239,7 @@ def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
     ``balance`` how the executor cuts stages; ``compression`` how the data-axis gradient
     reduction is encoded; ``weights`` / ``compute_dtype`` what fsdp gathers move;
     ``optimizer_sharding`` is ``train.optimizer_sharding``, ``sequence_parallel``
-    ``train.sequence_parallel``.
+    ``train.sequence_parallel``, ``master_weights`` ``train.master_weights``.
 
     When no runnable plan fits but one the user's fixed settings rule out does, the plan says
     which settings would make it fit (:func:`setting_that_fits`) rather than a device count.
@@ -247,7 +250,8 @@ def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
     start = time.perf_counter()
     settings = SearchSettings(rules, fixed, tuple(remats) if remats else None, microbatches,
                               configured_remat, pipeline, balance, compression, weights,
-                              compute_dtype, optimizer_sharding, sequence_parallel)
+                              compute_dtype, optimizer_sharding, sequence_parallel,
+                              master_weights)
     ctx = settings.context(cost, n_devices, profile)
     result = settings.search(ctx, fixed)
     best, notes = choose(result)

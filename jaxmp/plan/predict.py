@@ -18,6 +18,10 @@ predicts the rest, where every device runs every layer:
 * **optimizer state sharded over data** (``train.optimizer_sharding``): the Adam state and
   the update divide by ``data``; the gradient reduction becomes a reduce-scatter and an
   all-gather of the updated params (the same bytes), the all-gather exposed at the step's end.
+* **float32 master weights** of 16-bit params (``train.master_weights``,
+  :func:`~jaxmp.plan.master.master_terms`): the arguments hold the float32 master and
+  moments (divided by ``data`` with the optimizer sharded); the step holds the 16-bit copy
+  the model computes with, and its gradients reach the optimizer in float32.
 * **communication**, ring formulas, bytes each device sends: ``data`` all-reduces gradients,
   2(N-1)/N·S (weight matrices' in the compute dtype: :func:`data_reduction_bytes`), once
   per microbatch (inside the accumulation loop, as the step compiles);
@@ -38,6 +42,7 @@ import numpy as np
 from jaxmp.mesh import AXES
 from jaxmp.plan.context import Context, LayerTable, overlapped, zero_divisor
 from jaxmp.plan.layout import Layout
+from jaxmp.plan.master import MasterTerms, master_terms
 from jaxmp.plan.pipeline import predict_pipeline
 from jaxmp.plan.prediction import STEP_STATE_BYTES, Prediction
 
@@ -55,22 +60,28 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     own = np.where(ctx.tied, 0.0, table.param_local)  # tied weights: stored once
     params = float(own.sum())
     zero = zero_divisor(layout)
-    opt = float((own * ctx.opt_ratio).sum()) / zero
+    m = master_terms(ctx.master_factor, layout, params, float((own * ctx.opt_ratio).sum()),
+                     zero)
+    opt = m.optimizer
     batch = cost.batch_bytes / (data * fsdp)
-    args = params + opt + batch + STEP_STATE_BYTES
+    args = m.stored + opt + batch + STEP_STATE_BYTES
     phase = backward_phases(table, ctx.in_loop, ctx.tied)
     k = int(np.argmax(phase.total))
     # Accumulating over microbatches keeps a float32 running sum beside every backward pass.
-    accumulator = params if microbatches > 1 else 0.0
+    accumulator = params * m.wide if microbatches > 1 else 0.0
     # XLA's data-axis all-reduce of the gradients (no reducer) writes a reduced copy beside
     # the device's own: one more parameter-sized buffer while the backward pass ends (a data
     # slice: the reduce-scatter's, when the optimizer state is sharded over data).
     if data > 1 and not layout.reduce_after_microbatches:
-        accumulator += params / zero
-    cast = float(table.cast.sum())
+        accumulator += params * m.wide / zero
+    cast = float(table.cast.sum()) + m.copy
     # After the backward pass: the float32 gradients and the optimizer's update (a data slice
     # when the optimizer state is sharded over data).
-    update = params + params / zero + accumulator
+    update = (params + params / zero) * m.wide + accumulator
+    if m.copy:  # a master: the 16-bit gradients (or the float32 running sum, reduced in place
+        # to a slice), the float32 update on the master's slice, and the 16-bit params
+        update = (accumulator if microbatches > 1 else params + accumulator) \
+            + 2 * params * m.wide / zero + m.copy
     during = cast + accumulator + float(phase.total[k])
     name = cost.layers[k].group or cost.layers[k].name
     if during >= update:
@@ -80,8 +91,10 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
         working_parts = {f"{name} backward": float(table.transient[k])}
         if gathered:
             working_parts[f"{name} fsdp-gathered weights + grads"] = gathered
-        if cast:
-            working_parts["narrow copies of the fsdp shards"] = cast
+        if cast - m.copy:
+            working_parts["narrow copies of the fsdp shards"] = cast - m.copy
+        if m.copy:
+            working_parts["the 16-bit params cast from the float32 master"] = m.copy
     else:
         acts, grads, working, working_parts = 0.0, update, 0.0, {}
     total = args + grads + acts + working
@@ -91,7 +104,7 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     # The data-axis gradient reduction, encoded per compression.gradients: beside the
     # backward pass (XLA's), or once after the last microbatch with nothing to hide behind.
     at_end = layout.reduce_after_microbatches
-    data_bytes = data_reduction_bytes(ctx, layout, table)
+    data_bytes = data_reduction_bytes(ctx, layout, table, m, microbatches, zero)
     comm["data"] = float(data_bytes.sum())
     bw = ctx.link_bw(sizes)
     # Sharded optimizer state: the updated slices are all-gathered after the update, with
@@ -117,7 +130,7 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     step = compute + sum(comm_s.values())
     flops_step = ctx.flops_per_step(layout.remat)
     return Prediction(
-        param_bytes=params, optimizer_bytes=opt, grad_bytes=grads, activation_bytes=acts,
+        param_bytes=m.stored, optimizer_bytes=opt, grad_bytes=grads, activation_bytes=acts,
         working_bytes=working, batch_bytes=batch, argument_bytes=args, per_device_bytes=total,
         flops_per_step=flops_step, flops_per_device=flops_step / ctx.n, compute_s=compute,
         bubble_s=0.0, comm_s=comm_s, comm_bytes=comm, step_time_s=step,
@@ -126,15 +139,20 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
         activation_parts={f"saved, live in {name}'s backward": acts})
 
 
-def data_reduction_bytes(ctx: Context, layout: Layout, table: LayerTable) -> np.ndarray:
+def data_reduction_bytes(ctx: Context, layout: Layout, table: LayerTable, m: MasterTerms,
+                         microbatches: int, zero: int) -> np.ndarray:
     """Per layer, the bytes each device sends to reduce its gradients over ``data`` (ring
     all-reduce, 2(N-1)/N·S), encoded per ``compression.gradients``. Uncompressed and beside
     the backward pass (XLA's reduction, not the reducer's after the microbatches), a weight
     matrix's gradient is reduced where the partitioner places it: at its weight-gradient
     matmul, in that matmul's output dtype — the compute dtype (bf16 on GPUs, measured with
     ``--verify --aot``, docs/planner.md §7) — and cast to the parameter's dtype after; the
-    embedding lookup's scatter and vectors stay in the parameter's dtype."""
+    embedding lookup's scatter and vectors stay in the parameter's dtype. With a float32
+    master of 16-bit params, :meth:`~jaxmp.plan.master.MasterTerms.data_factor` says it."""
     data = layout.sizes["data"]
+    if m.copy:
+        return ctx.grad_bytes_factor * m.data_factor(microbatches, zero) * (data - 1) / data \
+            * table.param_local
     local = table.param_local
     narrow = ctx.compute_dtype in ("bfloat16", "float16") and not ctx.profile.upcasts_16bit \
         and layout.compression.kind == "none" and not layout.reduce_after_microbatches

@@ -29,16 +29,22 @@ def _layer_rows(layers: list[dict]) -> list[list[str]]:
     return rows
 
 
-def state_per_param(layers: list[dict], over: int = 1) -> str:
+def state_per_param(layers: list[dict], over: int = 1, master: bool = False) -> str:
     """Bytes of training state per parameter: stored params, optimizer state (``over``: the
     data replicas it is sharded over), gradients and the update (``"20 B: params 4 +
-    optimizer 8 + gradients 4 + update 4"``)."""
+    optimizer 8 + gradients 4 + update 4"``); ``master``: a float32 master beside 16-bit
+    params (sharded like the optimizer, which is then float32 too, as are the gradients)."""
     count = sum(lay["param_count"] for lay in layers)
     if not count:
         return "no parameters"
     params = sum(lay["param_bytes"] for lay in layers) / count
-    opt = sum(lay["optimizer_bytes"] for lay in layers) / count / over
+    wide = 4.0 / params if master and params < 4 else 1.0
+    opt = sum(lay["optimizer_bytes"] for lay in layers) / count * wide / over
     sharded = f" (sharded over data {over})" if over > 1 else ""
+    if wide > 1:
+        return (f"{params + 4 / over + opt + 4 + 4 / over:.3g} B per parameter: params "
+                f"{params:.3g} + float32 master {4 / over:.3g}{sharded} + optimizer {opt:.3g} + "
+                f"gradients 4 + update {4 / over:.3g}")
     return (f"{2 * params + opt + params:.3g} B per parameter: params {params:.3g} + optimizer "
             f"{opt:.3g}{sharded} + gradients {params:.3g} + update {params:.3g}")
 
@@ -84,7 +90,8 @@ def render(plan: Plan, batch: str = "") -> str:
     lines += table(["layer", "forward", "backward", "params", "saved", "output"],
                    _layer_rows(plan.layers), right={1, 2, 3, 4, 5})
     over = plan.mesh.get("data", 1) if plan.layout.optimizer_sharding == "data" else 1
-    lines += ["", f"training state: {state_per_param(plan.layers, over)}"]
+    master = plan.layout.master_weights != "none"
+    lines += ["", f"training state: {state_per_param(plan.layers, over, master)}"]
     status = "runnable" if plan.runnable else "not runnable: " + "; ".join(plan.blockers)
     fits = "fits" if plan.fits else "DOES NOT FIT"
     settings = plan.describe()

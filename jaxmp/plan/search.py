@@ -242,6 +242,8 @@ def describe(layout: Layout) -> str:
     parts.append(f"{layout.microbatches} mb")
     if layout.optimizer_sharding != "none":
         parts.append(f"optimizer over {layout.optimizer_sharding}")
+    if layout.master_weights != "none":
+        parts.append(f"{layout.master_weights} master")
     if layout.sequence_parallel:
         parts.append("sequence parallel")
     return ", ".join(parts)

@@ -97,7 +97,8 @@ RUNS: tuple[PublishedRun, ...] = (
 )
 
 # NeMo's H100 table (NeMo 24.07, FP8): Megatron-Core with its distributed optimizer (Adam state
-# sharded over data), sequence parallelism and flash attention (Transformer Engine).
+# and the float32 master sharded over data beside bf16 params: model.param_dtype=bfloat16 with
+# train.master_weights' default), sequence parallelism and flash attention (Transformer Engine).
 _NEMO = ("NVIDIA NeMo docs/source/performance/performance_summary.md (container 24.07, "
          "DGX-H100, FP8): distributed optimizer, sequence parallel, flash attention")
 
@@ -111,7 +112,8 @@ def _nemo(name: str, model: tuple[str, ...], batch: int, seq: int, gpus: int,
     schedule = {"pipeline.schedule": "interleaved", "pipeline.virtual_stages": virtual} \
         if stage > 1 else {}
     return PublishedRun(
-        name, _NEMO, _GPT + model + (f"data.seq_len={seq}", f"train.batch_size={batch}"),
+        name, _NEMO, _GPT + model + (f"data.seq_len={seq}", f"train.batch_size={batch}",
+                                     "model.param_dtype=bfloat16"),
         "H100", gpus,
         {"mesh.data": data, "mesh.stage": stage, "mesh.tensor": tensor, **schedule,
          "train.microbatches": batch // (data * micro), "train.optimizer_sharding": "data"},
@@ -122,11 +124,7 @@ def _nemo(name: str, model: tuple[str, ...], batch: int, seq: int, gpus: int,
 
 PUBLISHED_ZERO: tuple[PublishedRun, ...] = (
     _nemo("NeMo GPT-3 175B", ("model.layers=96", "model.d_model=12288", "model.heads=96",
-                              "model.vocab_size=50304"), 256, 2048, 128, (4, 8, 4), 6, 726, 782,
-          xfail_fit="79.6 GiB of 75.2 with the Adam moments sharded over data and sequence "
-                    "parallelism (115.3 without either): jaxmp keeps the float32 params "
-                    "replicated and two param-sized float32 gradient buffers (41.7 GiB) where "
-                    "Megatron keeps bf16 params and a data-sharded float32 master"),
+                              "model.vocab_size=50304"), 256, 2048, 128, (4, 8, 4), 6, 726, 782),
     _nemo("NeMo Llama 2 70B", (
         "model.layers=80", "model.d_model=8192", "model.heads=64", "model.kv_heads=8",
         "model.mlp_dim=28672", "model.activation=swiglu", "model.tie_embeddings=false",
@@ -137,11 +135,13 @@ PUBLISHED_ZERO: tuple[PublishedRun, ...] = (
         128, 4096, 16, (4, 4, 1), 10, 8646, 754),
     _nemo("NeMo GPT-3 20B", ("model.layers=44", "model.d_model=6144", "model.heads=48",
                              "model.vocab_size=50304"), 256, 2048, 64, (32, 1, 2), 1, 5851, 750,
-          micro=2, xfail_fit="118.0 GiB of 75.2 with the Adam moments sharded over data and "
-                             "sequence parallelism (231.3 without either): float32 params "
-                             "(37.7 GiB at tensor 2), the gradient and the accumulation's "
-                             "running sum (74.8 GiB) stay replicated over data where Megatron "
-                             "keeps bf16 params and float32 gradients"),
+          micro=2, xfail_fit="81.7 GiB of 75.2 with float32 master weights and the optimizer "
+                             "sharded over data (118.0 with float32 params): the 16-bit params "
+                             "(18.9 GiB at tensor 2), the float32 running sum of 4 microbatches' "
+                             "gradients (37.7) and one microbatch's 16-bit gradients beside it "
+                             "(18.6): Megatron adds each microbatch's gradients into its float32 "
+                             "buffer inside the backward pass (6 + 12/data bytes per parameter), "
+                             "jaxmp's accumulation loop holds them apart (8 + 12/data)"),
 )
 RUNS = RUNS + PUBLISHED_ZERO
 

@@ -35,7 +35,7 @@ from jaxmp.pipeline.chunk import PipelineSpec, stack_length, to_stages
 from jaxmp.pipeline.executor import PipelineExecutor
 from jaxmp.plan import Layout, Plan
 from jaxmp.plan.layout import mesh_items
-from jaxmp.train import checks, guard, peers, wire, zero
+from jaxmp.train import checks, guard, master, peers, wire, zero
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
 from jaxmp.train.metrics import (MetricsWriter, Profiler, Progress, batch_tokens,
                                  memory_metrics, total_peak_flops)
@@ -127,7 +127,8 @@ class Trainer:
         # builds its layout as is.
         self.plan = plan if plan is not None else plan_run(
             config, len(devices), self.costs, self.rules, pipeline is not None,
-            self.stack_blocks, compute_dtype, self._model_remat)
+            self.stack_blocks, compute_dtype, self._model_remat,
+            master.narrowest(nnx.state(abstract, nnx.Param)))
         check_plan(self.plan, len(devices), pipeline is not None, self.stack_blocks)
         planned = self.plan.layout
         try:
@@ -146,14 +147,26 @@ class Trainer:
         self.stages = Stages.of(planned)
         transform = None if self.stages is None else \
             functools.partial(to_stages, spec=pipeline, split=self.stages.split)
+        if planned.master_weights == "float32":  # the state's params: a float32 master
+            transform = master.Upcast(transform)
         self.layout = plan_state(model_fn, self.tx, self.mesh, self.rules, path_rules,
                                  self.extensions, transform)
+        self.compute_shardings = self.layout.shardings.params  # what the model runs with
         if planned.optimizer_sharding == "data":  # Adam state cut over data too (ZeRO-1)
             self.layout = zero.shard_state(self.layout)
-        self.sharded_update = zero.ShardedUpdate.of(self.layout) \
-            if zero.built(self.layout) == "data" else None
+            if master.built(self.layout) == "float32":  # and the master beside it
+                self.layout = master.shard_params(self.layout)
+            if zero.built(self.layout, self.compute_shardings) != "data":  # planned without
+                raise ConfigError(f"train.optimizer_sharding='data': no parameter of this "
+                                  f"model has a dim that data={planned.sizes['data']} "
+                                  f"divides; set it to 'none' or 'auto'")  # costs: no cut
+        self.master = master.MasterWeights.of(self.layout, self.compute_shardings) \
+            if master.built(self.layout) == "float32" else None
+        self.sharded_update = zero.ShardedUpdate.of(self.layout) if self.master is None and \
+            zero.built(self.layout) == "data" else None
         checks.warn_idle_axes(self.layout, self.rules, path_rules, say)
-        self.reducer = wire.reducer(planned, self.mesh, self.layout, path_rules)
+        self.reducer = wire.reducer(planned, self.mesh, self.layout, path_rules,
+                                    params=self.compute_shardings)
         self.executor = None if self.stages is None else PipelineExecutor(
             self.layout.graphdef, self.mesh, pipeline, self.stages.schedule, self.stages.split)
         self.grad_fn = None if self.executor is None else self.executor.grad_fn(
@@ -186,8 +199,9 @@ class Trainer:
                       self.gather.wire if self.gather is not None else "param", comp,
                       self._attention,
                       self.gather.reduce if self.gather is not None else "param",
-                      zero.built(self.layout),
-                      sharding.shards_sequence(self.step_rules, sizes))
+                      zero.built(self.layout, self.compute_shardings),
+                      sharding.shards_sequence(self.step_rules, sizes),
+                      master.built(self.layout))
 
     # -- the one train step -------------------------------------------------------------------
     def compile(self, batch: Any = None, warmup: bool = False) -> Any:
@@ -201,11 +215,12 @@ class Trainer:
         if batch is None:
             raise ValueError("Trainer.compile needs a batch (or example_batch at construction)")
         reducer = wire.reducer(self.plan.layout, self.mesh, self.layout, self.path_rules,
-                               warmup=True) if warmup else self.reducer
+                               warmup=True, params=self.compute_shardings) if warmup \
+            else self.reducer
         step = make_train_step(self.layout, self.loss_fn, self.tx, self.lr_schedule, batch,
                                self.accumulation, self.step_rules, self.config.train.seed,
                                grad_fn=self.grad_fn, gather=self.gather, reducer=reducer,
-                               guard=self.guard, zero=self.sharded_update)
+                               guard=self.guard, zero=self.sharded_update, master=self.master)
         return self._compile(step.lower(self.layout.abstract, batch))
 
     def _compile(self, lowered: Any) -> Any:
@@ -269,7 +284,7 @@ class Trainer:
         eval_fn = self._compile(make_eval_step(
             self.layout, self.loss_fn, batch, self.step_rules, t.seed,
             pipeline_loss=None if self.executor is None else
-            self.executor.eval_fn(self.step_rules)
+            self.executor.eval_fn(self.step_rules), master=self.master
         ).lower(self.layout.abstract, batch)) if self.eval_data is not None and t.eval_every > 0 \
             else None
         peers.align("compiled")  # several processes: all compiled before any program runs

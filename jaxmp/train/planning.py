@@ -51,13 +51,13 @@ class CostSource:
 
 def plan_run(config: TrainerConfig, n_devices: int, costs: CostSource, rules: Sequence,
              pipeline: bool, stack_blocks: int, compute_dtype: str | None,
-             remat: str) -> Plan:
+             remat: str, param_dtype: str | None = None) -> Plan:
     """The Trainer's plan: :func:`jaxmp.plan.make_plan` with the model's costs when they can
     be had (no measured numbers: every process of a run reaches the same plan)."""
     cost = costs.get()
     plan = make_plan(config, cost, n_devices, rules=rules, pipeline=pipeline,
                      stack_blocks=stack_blocks if pipeline else None,
-                     compute_dtype=compute_dtype, remat=remat)
+                     compute_dtype=compute_dtype, remat=remat, param_dtype=param_dtype)
     plan.cost_time_s = costs.seconds
     return plan
 

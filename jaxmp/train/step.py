@@ -29,6 +29,7 @@ from jaxmp.compression.gather import WeightGather
 from jaxmp.compression.reduce import Reducer, per_replica, without_data
 from jaxmp.loss import LossFn, call_loss, split_loss
 from jaxmp.train.guard import NonFiniteGuard
+from jaxmp.train.master import MasterWeights
 from jaxmp.train.pinning import pin_batch, pinned_layers
 from jaxmp.train.state import StateLayout, TrainState
 from jaxmp.train.zero import ShardedUpdate
@@ -55,14 +56,16 @@ def step_key(seed: int, step: jax.Array | int, stream: int = _TRAIN_STREAM) -> j
 
 def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
                  rules: Sequence = sharding.DEFAULT_RULES, gather: WeightGather | None = None,
-                 keep_weight: bool = False) -> Callable:
+                 keep_weight: bool = False, wide_grads: bool = False) -> Callable:
     """``(params, rest, batch, key=None) -> (loss, grads, rest, aux)``, averaged over
     microbatches (microbatch j uses ``fold_in(key, j)``).
 
     Microbatches are weighted by ``aux["weight"]`` when the loss provides it (token counts), so
     the accumulated step equals the full-batch step even when masks differ between them
     (``keep_weight``: the total stays in ``aux["weight"]``). ``gather``: fsdp weights are
-    gathered in a narrower dtype (:mod:`jaxmp.compression.gather`).
+    gathered in a narrower dtype (:mod:`jaxmp.compression.gather`). Microbatch gradients
+    are summed in float32 (at least); ``wide_grads`` returns that sum as is (master weights
+    update in float32), else in each param's dtype.
     """
     graphdef, mesh = layout.graphdef, layout.mesh
 
@@ -95,7 +98,8 @@ def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
             wloss, weight, grads, rest, aux = _accumulate(micro, params, rest, batch, key,
                                                           grad_accum)
             scale = 1.0 / jnp.maximum(weight, 1e-12)
-            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+            grads = jax.tree.map(lambda g, p: g * scale if wide_grads else
+                                 (g * scale).astype(p.dtype), grads, params)
             return wloss * scale, grads, rest, {**aux, "weight": weight} if keep_weight else aux
 
     return grad_fn
@@ -117,7 +121,8 @@ def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, key: jax.A
         return sharding.constrain(mb, names)
 
     micro_batches = jax.tree.map(split, batch)
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)),
+                         params)
 
     def body(carry: tuple, xs: tuple) -> tuple:
         loss_sum, w_sum, g_sum, rest = carry
@@ -137,7 +142,8 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
                     grad_fn: Callable | None = None, reducer: Reducer | None = None,
                     gather: WeightGather | None = None,
                     guard: NonFiniteGuard | None = None,
-                    zero: ShardedUpdate | None = None) -> Callable:
+                    zero: ShardedUpdate | None = None,
+                    master: MasterWeights | None = None) -> Callable:
     """Return the jitted ``step(state, batch) -> (state, metrics)`` with donated state.
 
     ``grad_fn`` replaces the plain gradient (e.g. the pipeline executor's, same contract; built
@@ -146,22 +152,31 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
     step by it (:mod:`jaxmp.compression.reduce`); without one XLA reduces them where they arise.
     ``guard`` skips non-finite updates (its counters must be in the layout's ``extra``).
     ``zero``: the optimizer runs on data slices (:mod:`jaxmp.train.zero`; the layout's
-    optimizer state must be sharded so: :func:`jaxmp.train.zero.shard_state`).
+    optimizer state must be sharded so: :func:`jaxmp.train.zero.shard_state`). ``master``:
+    the state's params are a float32 master of the model's 16-bit params
+    (:mod:`jaxmp.train.master`): the model computes with their cast, the optimizer updates
+    the master (on its data slices when the master is cut over data).
     """
+    wide = master is not None
     if reducer is None:
-        grad_fn = grad_fn or make_grad_fn(layout, loss_fn, grad_accum, rules, gather)
+        grad_fn = grad_fn or make_grad_fn(layout, loss_fn, grad_accum, rules, gather,
+                                          wide_grads=wide)
     else:
         grad_fn = per_replica(grad_fn or make_grad_fn(layout, loss_fn, grad_accum,
-                                                      without_data(rules), gather, True),
-                              layout.mesh, layout.shardings.params)
+                                                      without_data(rules), gather, True, wide),
+                              layout.mesh, master.compute_shardings if wide
+                              else layout.shardings.params)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         key = step_key(seed, state.step)
-        loss, grads, rest, aux = grad_fn(state.params, state.rest, batch, key)
+        computed = state.params if master is None else master.compute(state.params)
+        loss, grads, rest, aux = grad_fn(computed, state.rest, batch, key)
         extra = state.extra
         if reducer is not None:
             grads, extra = reducer(grads, extra)
-        if zero is not None:  # optimizer state sharded over data (ZeRO-1)
+        if master is not None:  # the float32 master updated on its (data) slices
+            params, opt_state, grads = master(tx, grads, state.opt_state, state.params)
+        elif zero is not None:  # optimizer state sharded over data (ZeRO-1)
             params, opt_state, grads = zero(tx, grads, state.opt_state, state.params)
         else:
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -183,17 +198,20 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
 
 def make_eval_step(layout: StateLayout, loss_fn: LossFn, example_batch: dict,
                    rules: Sequence = sharding.DEFAULT_RULES, seed: int = 0,
-                   pipeline_loss: Callable | None = None) -> Callable:
+                   pipeline_loss: Callable | None = None,
+                   master: MasterWeights | None = None) -> Callable:
     """Return the jitted ``eval(state, batch) -> loss``: no state change, the model in
     evaluation mode (``nnx.Module.eval()``: dropout off). ``pipeline_loss(params, rest, batch)
     -> loss`` replaces the plain forward under pipeline stages (the executor's forward-only
-    :meth:`~jaxmp.pipeline.executor.PipelineExecutor.eval_fn`, in evaluation mode too)."""
+    :meth:`~jaxmp.pipeline.executor.PipelineExecutor.eval_fn`, in evaluation mode too).
+    ``master``: the model evaluates with the cast of the float32 master, as it trains."""
 
     def evaluate(state: TrainState, batch: dict) -> jax.Array:
+        params = state.params if master is None else master.compute(state.params)
         if pipeline_loss is not None:
-            return pipeline_loss(state.params, state.rest, batch)
+            return pipeline_loss(params, state.rest, batch)
         with sharding.activation_sharding(layout.mesh, rules):
-            model = nnx.merge(layout.graphdef, state.params, state.rest, copy=True)
+            model = nnx.merge(layout.graphdef, params, state.rest, copy=True)
             model.eval()
             rows = int(jax.tree.leaves(batch)[0].shape[0])
             with pinned_layers(model, rows, layout.mesh, rules):

@@ -33,15 +33,18 @@ def extensions(layout: Layout, path_rules: Sequence | None) -> dict[str, Any]:
 
 
 def reducer(layout: Layout, mesh: Mesh, state: Any, path_rules: Sequence | None,
-            warmup: bool = False) -> Reducer | None:
+            warmup: bool = False, params: Any = None) -> Reducer | None:
     """The step's reducer (None: XLA reduces). ``warmup``: PowerSGD's uncompressed steps,
-    which reduce as XLA would when nothing else needs the reducer."""
+    which reduce as XLA would when nothing else needs the reducer. ``params``: the shardings
+    of the params the model computes with (default the state's; with master weights the
+    model's, :mod:`jaxmp.train.master`)."""
     if not layout.reduce_after_microbatches:
         return None
     comp = layout.compression.uncompressed() if warmup else layout.compression
     if comp.kind == "none" and layout.accumulation == 1 and layout.stages == 1:
         return None
-    return Reducer(comp, mesh, state.abstract.params, state.shardings.params, path_rules,
+    return Reducer(comp, mesh, state.abstract.params,
+                   state.shardings.params if params is None else params, path_rules,
                    scatter=layout.optimizer_sharding == "data")
 
 
@@ -65,6 +68,10 @@ def summary(config: TrainerConfig, layout: Layout, gather_policy: WeightGather |
     if gather_policy is not None:
         parts.append(f"fsdp weights gathered as {gather_policy.wire}, gradients reduced as "
                      f"{gather_policy.reduce}")
+    if layout.master_weights != "none":
+        over = " sharded over data" if layout.optimizer_sharding == "data" else ""
+        parts.append(f"{layout.master_weights} master weights{over} beside the optimizer's "
+                     f"moments")
     if layout.sequence_parallel:
         parts.append(f"residual stream split along the sequence over tensor="
                      f"{layout.sizes['tensor']} (sequence parallel)")

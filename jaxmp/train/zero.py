@@ -75,10 +75,13 @@ def _uses_data(shardings: Any) -> bool:
                for s in jax.tree.leaves(shardings, is_leaf=_is_sharding) for e in s.spec)
 
 
-def built(layout: StateLayout) -> str:
+def built(layout: StateLayout, params: Any = None) -> str:
     """What the built state does, read from its shardings: ``"data"`` when optimizer arrays
-    are cut over ``data`` while the params are not, else ``"none"``."""
-    opt, params = layout.shardings.opt_state, layout.shardings.params
+    are cut over ``data`` while the params the model computes with (``params``: default the
+    state's; with master weights the model's, :mod:`jaxmp.train.master`) are not, else
+    ``"none"``."""
+    opt = layout.shardings.opt_state
+    params = layout.shardings.params if params is None else params
     return "data" if _uses_data(opt) and not _uses_data(params) else "none"
 
 

@@ -12,7 +12,6 @@ bytes its tensor-parallel all-reduces move.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from jaxmp import sharding
-from jaxmp.compression.gather import gather_dtype, is_matrix, reduce_dtype, wire_itemsize
+from jaxmp.compression.gather import gather_dtype, reduce_dtype
 from jaxmp.compression.reduce import Compression, bytes_factor
 from jaxmp.cost import ModelCost
 from jaxmp.devices import DeviceProfile
@@ -28,31 +27,12 @@ from jaxmp.mesh import AXES
 from jaxmp.pipeline.footprint import fold, stack_span
 from jaxmp.pipeline.stages import StageSplit, split_layers
 from jaxmp.plan.sequence import choices as sequence_choices, regather_bytes
+from jaxmp.plan.shard import LayerShard, resolve_shard
 from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
                                reduction)
 from jaxmp.plan.master import itemsize, master_weights_of
 from jaxmp.sharding.optimizer import data_dim
 from jaxmp.sharding.sequence import SEQ
-
-
-@dataclass(frozen=True)
-class _Shard:
-    """One layer's parameters on one mesh: bytes per device and what the axes do to them."""
-
-    local: float  # bytes per device
-    gathered: float  # bytes per device once fsdp-gathered
-    unsharded_fsdp: float  # bytes fsdp does not shard (their gradients all-reduce over fsdp)
-    tensor_weights: int  # matrices split by tensor
-    row_parallel: int  # of those, split on their input dim (their output is all-reduced)
-    tensor_dims: frozenset[int]  # sizes of dims split by tensor (to spot split activations)
-    gather_wire: float = 0.0  # bytes one full gather of the fsdp-split params moves (all
-    # devices' shards, in the gather's dtype): the gathered copy a layer computes with
-    reduce_wire: float = 0.0  # the same for the reduce-scatter of their gradients
-    cast: float = 0.0  # bytes per device of the narrow copies made before the forward pass
-    grads: float = 0.0  # bytes per device of its gradients as the backward pass holds them
-    row_itemsize: int = 4  # bytes per element of its row-parallel matrices (as stored)
-    matrices: float = 0.0  # bytes per device of its float32 matmul weights (not lookups)
-    n_matrices: int = 0  # its weight matrices, split by tensor or not
 
 
 @dataclass(frozen=True)
@@ -140,7 +120,7 @@ class Context:
         self.span = stack_span([lay.kind for lay in layers],
                                [lay.group or lay.name for lay in layers])
         self.in_loop = np.array([bool(lay.in_loop) for lay in layers])
-        self._shards: dict[tuple[int, int, int], _Shard] = {}
+        self._shards: dict[tuple[int, int, int], LayerShard] = {}
         self._cache: dict[tuple, Any] = {}
 
     @property
@@ -154,7 +134,7 @@ class Context:
             self._cache[key] = make()
         return self._cache[key]
 
-    def shard(self, i: int, fsdp: int, tensor: int) -> _Shard:
+    def shard(self, i: int, fsdp: int, tensor: int) -> LayerShard:
         key = (int(self.group_of[i]), fsdp, tensor)
         if key not in self._shards:
             self._shards[key] = self._resolve(self.first[key[0]], fsdp, tensor)
@@ -166,63 +146,10 @@ class Context:
         wire = gather_dtype(self.weights, self.compute_dtype, fsdp)
         return wire, reduce_dtype(wire, self.compute_dtype)
 
-    def _resolve(self, i: int, fsdp: int, tensor: int) -> _Shard:
-        lay = self.cost.layers[i]
-        sizes = {"data": 1, "stage": 1, "fsdp": fsdp, "tensor": tensor}
+    def _resolve(self, i: int, fsdp: int, tensor: int) -> LayerShard:
         wire, reduce = self.wire_dtypes(fsdp)
-        # jaxmp gathers int8 (compression.gather), per layer slice inside a stack and at the
-        # step's start outside one; else XLA gathers the copies the step cast on their shards,
-        # and the gradients come back in the gather's dtype.
-        custom = wire == "int8"
-        up = self.profile.upcasts_16bit
-        out_item = wire_itemsize(self.compute_dtype or "float32", 4, up) \
-            if self.compute_dtype in ("bfloat16", "float32") else 4
-        local = gathered = unsharded = gather_wire = reduce_wire = cast = grads = matrices = 0.0
-        weights = rows = n_matrices = 0
-        row_item = 4
-        tdims: set[int] = set()
-        # Gathered as stored ("param") with 16-bit compute, a matmul weight's cast moves before
-        # its all-gather (XLA) and its gradient is reduced in the matmul's dtype (§7).
-        if wire == "param" and self.compute_dtype == "bfloat16" \
-                and lay.kind != "pre":
-            wire = reduce = self.compute_dtype
-        for leaf in lay.params:
-            spec = sharding.resolve(leaf.names, leaf.shape, sizes, self.rules).spec \
-                if leaf.names is not None else ()
-            axes = [a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))]
-            div = math.prod(sizes[a] for a in axes)
-            nb = leaf.nbytes * lay.share
-            local += nb / div
-            matrices += nb / div if lay.kind != "pre" and leaf.names is not None \
-                and is_matrix(leaf.names) and leaf.nbytes == 4 * math.prod(leaf.shape) else 0.0
-            gathered += nb / (div // fsdp if "fsdp" in axes else div)
-            unsharded += 0.0 if "fsdp" in axes else nb / div
-            narrow = "fsdp" in axes and leaf.names is not None and is_matrix(leaf.names)
-            if "fsdp" in axes:  # a narrower gather casts matrices only (compression.gather)
-                stored = max(1, leaf.nbytes // max(1, math.prod(leaf.shape)))
-                full = nb / (div // fsdp)
-                g = wire_itemsize(wire if narrow else "param", stored, up) / stored
-                gather_wire += full * g
-                reduce_wire += full * wire_itemsize(reduce if narrow else "param", stored,
-                                                    up) / stored
-                if narrow and custom and not lay.in_loop:
-                    cast += full * out_item / stored  # gathered at the step's start
-                elif narrow and not custom:
-                    cast += nb / div * g
-                grads += nb / div * (g if narrow and not custom else 1.0)
-            else:
-                grads += nb / div
-            split = [d for d, e in enumerate(spec)
-                     if e == "tensor" or (isinstance(e, tuple) and "tensor" in e)]
-            tdims.update(int(leaf.shape[d]) for d in split)
-            dims = [d for d, n in enumerate(leaf.names or ()) if n != "layers"]
-            weights += bool(split) and len(dims) >= 2
-            n_matrices += len(dims) >= 2
-            if len(dims) >= 2 and dims[0] in split:
-                rows += 1
-                row_item = max(1, leaf.nbytes // max(1, math.prod(leaf.shape)))
-        return _Shard(local, gathered, unsharded, weights, rows, frozenset(tdims), gather_wire,
-                      reduce_wire, cast, grads, row_item, matrices, n_matrices)
+        return resolve_shard(self.cost.layers[i], fsdp, tensor, self.rules, wire, reduce,
+                             self.compute_dtype, self.profile.upcasts_16bit)
 
     def flops_per_step(self, remat: str) -> float:
         return self.cached(("flops", remat), lambda: self.cost.flops_per_step(remat))

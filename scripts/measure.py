@@ -21,6 +21,7 @@ import argparse
 import importlib
 import sys
 
+from jaxmp._util.env import settle_platform
 from jaxmp.cli.train import add_device_arguments, simulate
 from jaxmp.errors import BadInput, Failure
 
@@ -75,6 +76,7 @@ def main(argv: list[str]) -> int:
         add_device_arguments(p, "to measure on: the first N present")
     module.add_arguments(p)
     args = p.parse_args(argv[1:])
+    settle_platform()  # as jaxmp's CLI: the CPU, quietly, where the CUDA plugin finds no GPU
     try:
         if module.DEVICES:
             simulate(args.simulate_devices)  # before jax starts its backend

@@ -21,14 +21,16 @@ from helpers import one_device
 from test_zero import _close, _fit, _state
 
 BF16 = ["model.param_dtype=bfloat16", "model.compute_dtype=float32"]
+LR = 3e-3  # tiny.toml's peak rate
 CASES = {
     "data8": ["mesh.data=8", "train.optimizer_sharding=data"],
     "data2xfsdp2xtensor2-microbatches2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
                                           "train.microbatches=2",
                                           "train.optimizer_sharding=data"],
+    # the stages' shared gradients summed in float32 on CPU (pipeline/executor.py)
+    "stage2xdata2xtensor2": ["mesh.stage=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2",
+                             "train.optimizer_sharding=data"],
 }
-# Not with pipeline stages: bfloat16 params under stages abort XLA's CPU compiler ("Invalid
-# binary instruction opcode copy", main as well, with or without master weights).
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,17 @@ def test_master_weights_equal_the_one_device_step(case, reference, tmp_path):
     # A gradient element near zero whose float32 partial sums round to the neighbouring
     # bfloat16 moves Adam's step for it (a few in 10^4 elements, by up to one lr x step):
     # the tolerance is that step relative to the leaf's largest value.
-    _close(mine["params"], ref["params"], rtol=1e-3, atol=5e-3)
+    if "stage" not in case:
+        _close(mine["params"], ref["params"], rtol=1e-3, atol=5e-3)
+        return
+    # Under stages each tick rounds its chunk's bfloat16 gradients once more: a few more such
+    # elements (a few in 10^4 outside that tolerance), none by more than one lr step.
+    for x, y in zip(jax.tree.leaves(mine["params"]), jax.tree.leaves(ref["params"]),
+                    strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        diff, scale = np.abs(x - y), max(np.abs(y).max(), 1e-6)
+        assert (diff > 5e-3 * scale + 1e-3 * np.abs(y)).mean() <= 1e-3
+        assert diff.max() <= LR
 
 
 def _restored(run_dir, *extra):

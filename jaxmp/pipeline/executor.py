@@ -339,8 +339,22 @@ class _TrainingTicks(_DeviceTicks):
         """``(stack grads [1, V·Lmax, ...], shared grads, loss sum, weight sum)``, the last three
         summed over stages."""
         stack_grads = jax.tree.map(lambda g: g.reshape((1, -1) + g.shape[2:]), state.stack_grads)
-        return (stack_grads, jax.lax.psum(state.shared_grads, STAGE),
+        return (stack_grads, _sum_over_stages(state.shared_grads, self.executor.mesh),
                 jax.lax.psum(state.loss_sum, STAGE), jax.lax.psum(state.weight_sum, STAGE))
+
+
+def _sum_over_stages(tree: Any, mesh: Any) -> Any:
+    """``psum`` over stages; on CPU devices 16-bit floats are summed in float32, as XLA:CPU's
+    all-reduce promotion would — which aborts on the reducer jax lowers here (its root a
+    sharding annotation: "Invalid binary instruction opcode copy")."""
+    cpu = mesh.devices.flat[0].platform == "cpu"
+
+    def one(x: jax.Array) -> jax.Array:
+        if cpu and x.dtype in (jnp.bfloat16, jnp.float16):
+            return jax.lax.psum(x.astype(jnp.float32), STAGE).astype(x.dtype)
+        return jax.lax.psum(x, STAGE)
+
+    return jax.tree.map(one, tree)
 
 
 class _Evaluation(NamedTuple):

@@ -42,10 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (BadInput, FileNotFoundError) as e:
-        print(f"jaxmp: error: {e}", file=sys.stderr)
+        _say(f"jaxmp: error: {e}")
         return _leave(EXIT_BAD_INPUT)
     except KeyboardInterrupt:
-        print("jaxmp: interrupted", file=sys.stderr)
+        _say("jaxmp: interrupted")
         return _leave(130)
     except Exception as e:  # noqa: BLE001 - a runtime failure: one line, the traceback on request
         if os.environ.get("JAXMP_DEBUG"):
@@ -54,8 +54,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         lost = peers.failure_line(e) if peers else None
         what = f"{e}" if isinstance(e, Failure) else \
             f"{type(e).__name__}: {e} (set JAXMP_DEBUG=1 for the traceback)"
-        print(f"jaxmp: failed: {lost or what}", file=sys.stderr)
+        _say(f"jaxmp: failed: {lost or what}")
         return _leave(EXIT_FAILURE)
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr in one write: ``print`` writes the text and its newline apart, and a
+    library's background thread (Orbax's event loop closing) may write between them."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _peers():

@@ -250,7 +250,7 @@ class Context:
                 and not self.profile.upcasts_16bit else 1.0
             tensor_bytes = n_all_reduce * 2 * (tensor - 1) / tensor * io * max(1.0, wide) \
                 if tensor > 1 else 0.0
-            tensor_bytes += regather_bytes(inputs, io, sp=sp, tensor=tensor, staged=staged,
+            tensor_bytes += regather_bytes(inputs, io, sp=sp, tensor=tensor,
                                            reassociates=self.profile.reassociates_all_reduce)
             gathers = 2.0 if regather else 1.0
             fsdp_bytes = (fsdp - 1) / fsdp * (gathers * sh.gather_wire + sh.reduce_wire

@@ -32,24 +32,22 @@ from __future__ import annotations
 from jaxmp.plan.layout import sequence_parallel
 
 
-def regathers(column_inputs: int, *, sp: bool, tensor: int, reassociates: bool,
-              staged: bool) -> int:
+def regathers(column_inputs: int, *, sp: bool, tensor: int, reassociates: bool) -> int:
     """All-gathers of a layer's saved, sequence-sharded input that its backward pass adds
     under sequence parallelism (``column_inputs``: the distinct inputs of its column-parallel
     matmuls; ``reassociates``: the backend sums their input gradients before one reduction —
-    :attr:`jaxmp.devices.DeviceProfile.reassociates_all_reduce`, the GPU compiler's;
-    ``staged``: inside a pipeline's ticks, counted alike — a lower bound, see above)."""
+    :attr:`jaxmp.devices.DeviceProfile.reassociates_all_reduce`, the GPU compiler's; inside
+    a pipeline's ticks counted alike — a lower bound, see above)."""
     if not sp or tensor <= 1 or not reassociates:
         return 0
     return column_inputs
 
 
 def regather_bytes(column_inputs: int, io: float, *, sp: bool, tensor: int,
-                   reassociates: bool, staged: bool = False) -> float:
+                   reassociates: bool) -> float:
     """Bytes each device sends for :func:`regathers` all-gathers of an input of ``io`` bytes
     (whole sequence, per device's rows): ``(t-1)/t · io`` each."""
-    n = regathers(column_inputs, sp=sp, tensor=tensor, reassociates=reassociates,
-                  staged=staged)
+    n = regathers(column_inputs, sp=sp, tensor=tensor, reassociates=reassociates)
     return n * (tensor - 1) / tensor * io
 
 

@@ -36,9 +36,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from jaxmp.mesh import mesh_shape
-from jaxmp.sharding.optimizer import over_data
 from jaxmp.train.state import StateLayout, Transform
+from jaxmp.train.zero import sliced
 
 MASTER_DTYPE = jnp.float32
 
@@ -72,20 +71,10 @@ class Upcast:
         return jax.tree.map(lambda x: x.astype(MASTER_DTYPE) if narrow(x.dtype) else x, params)
 
 
-def _is_sharding(x: Any) -> bool:
-    return isinstance(x, NamedSharding)
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    leaves = jax.tree.leaves(x)
-    return tuple(leaves[0].shape) if leaves else ()
-
-
 def shard_params(layout: StateLayout) -> StateLayout:
     """``layout`` with the master (its params) cut over data like the optimizer's moments."""
-    sizes = mesh_shape(layout.mesh)
-    params = jax.tree.map(lambda s, x: NamedSharding(s.mesh, over_data(s.spec, _shape(x), sizes)),
-                          layout.shardings.params, layout.abstract.params, is_leaf=_is_sharding)
+    params = jax.tree.map(sliced, layout.shardings.params, layout.abstract.params,
+                          is_leaf=lambda x: isinstance(x, NamedSharding))
     return dataclasses.replace(layout, shardings=layout.shardings.replace(params=params))
 
 

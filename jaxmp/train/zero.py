@@ -44,7 +44,8 @@ def _shape(x: Any) -> tuple[int, ...]:
     return tuple(leaves[0].shape) if leaves else ()
 
 
-def _sliced(sharding: NamedSharding, x: Any) -> NamedSharding:
+def sliced(sharding: NamedSharding, x: Any) -> NamedSharding:
+    """``sharding`` with ``x`` (an array or a Variable of one) cut over data as well."""
     sizes = mesh_shape(sharding.mesh)
     return NamedSharding(sharding.mesh, over_data(sharding.spec, _shape(x), sizes))
 
@@ -55,7 +56,7 @@ def _is_sharding(x: Any) -> bool:
 
 def shard_state(layout: StateLayout) -> StateLayout:
     """``layout`` with its optimizer state sharded over data as well (params untouched)."""
-    opt = jax.tree.map(_sliced, layout.shardings.opt_state, layout.abstract.opt_state,
+    opt = jax.tree.map(sliced, layout.shardings.opt_state, layout.abstract.opt_state,
                        is_leaf=_is_sharding)
     return dataclasses.replace(layout,
                                shardings=layout.shardings.replace(opt_state=opt))
@@ -95,7 +96,7 @@ class ShardedUpdate:
 
     @classmethod
     def of(cls, layout: StateLayout) -> ShardedUpdate:
-        slices = jax.tree.map(_sliced, layout.shardings.params, layout.abstract.params,
+        slices = jax.tree.map(sliced, layout.shardings.params, layout.abstract.params,
                               is_leaf=_is_sharding)
         return cls(layout.shardings.params, slices)
 

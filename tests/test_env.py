@@ -41,6 +41,17 @@ def test_platform_rule():
     assert env.platform_decision("cuda", never, never) == (False, None)
 
 
+def test_either_cuda_plugin_counts(monkeypatch):
+    """JAX's CUDA 12 and CUDA 13 plugins both count as installed: a GPU image with only
+    ``jax[cuda13]`` (the lent H200's) gets the same quiet platform choice and ``--aot``."""
+    import importlib.util
+
+    for present in (*env.CUDA_PLUGINS, None):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, present=present: object() if name == present else None)
+        assert env.cuda_plugin_installed() is (present is not None)
+
+
 def test_gpu_probe_answers_without_jax():
     """The probe asks the driver through ctypes: on this machine (no GPU) it says no, with a
     reason, and never raises; jax is not imported by it."""

@@ -117,15 +117,20 @@ def use_cpu() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
-CUDA_PLUGIN = "jax_plugins.xla_cuda12"  # the PJRT plugin `pip install jax[cuda12]` brings
+# The PJRT plugins `pip install jax[cuda12]` and `jax[cuda13]` bring (GPU hosts' images carry
+# either: the lent H200 of docs/benchmarks.md runs jax 0.11.2 with the CUDA 13 one).
+CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 
 
 def cuda_plugin_installed() -> bool:
-    """True when JAX's CUDA plugin is importable (found, not imported)."""
-    try:
-        return importlib.util.find_spec(CUDA_PLUGIN) is not None
-    except (ImportError, ValueError):
-        return False
+    """True when one of JAX's CUDA plugins is importable (found, not imported)."""
+    for name in CUDA_PLUGINS:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
 
 
 def gpu_usable() -> tuple[bool, str]:

@@ -58,6 +58,12 @@ class DeviceProfile:
     # tensor 8 with 4 microbatches, compiled for H100s, peak 29.9 GiB with it on, 29.3 off, and
     # +47 % collective bytes; with one microbatch on falls to 14.3: docs/planner.md §7).
     sequence_parallel_in_loops: bool = False
+    # Memory (HBM) bandwidth, bytes/s (jaxmp.gpu_targets' datasheet figure): the time model
+    # charges the bytes that only memory moves — saved activations written in the forward and
+    # read in the backward, per-microbatch accumulation and casts, the optimizer's update
+    # (docs/planner.md §2, "Memory traffic"). 0: not charged (the CPU's time is all in
+    # ``efficiency``, measured end to end).
+    memory_bw: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -71,18 +77,22 @@ class DeviceProfile:
 # Memory: what the driver reports (``cudaDeviceProp.totalGlobalMem``), the number JAX's GPU
 # allocator takes its fraction of and the compile target's (jaxmp.gpu_targets): one number, so
 # the planner, the allocator and a deviceless compile judge against the same limit.
+def _bw(kind: str) -> float:
+    return float(TARGETS[kind].memory_bandwidth)
+
+
 PROFILES: dict[str, DeviceProfile] = {
     "A100-40GB": DeviceProfile("A100-40GB", 312e12, TARGETS["A100-40GB"].memory_bytes, 300e9,
-                               25e9, efficiency=0.60),
+                               25e9, efficiency=0.60, memory_bw=_bw("A100-40GB")),
     "A100-80GB": DeviceProfile("A100-80GB", 312e12, TARGETS["A100-80GB"].memory_bytes, 300e9,
-                               25e9, efficiency=0.60),
+                               25e9, efficiency=0.60, memory_bw=_bw("A100-80GB")),
     "H100": DeviceProfile("H100", 989e12, TARGETS["H100"].memory_bytes, 450e9, 50e9,
-                          efficiency=0.45),
+                          efficiency=0.45, memory_bw=_bw("H100")),
     # The 96 GB HBM2e H100 (e.g. Meta's Grand Teton hosts, where torchtitan measures).
     "H100-96GB": DeviceProfile("H100-96GB", 989e12, TARGETS["H100-96GB"].memory_bytes, 450e9,
-                               50e9, efficiency=0.45),
+                               50e9, efficiency=0.45, memory_bw=_bw("H100-96GB")),
     "H200": DeviceProfile("H200", 989e12, TARGETS["H200"].memory_bytes, 450e9, 50e9,
-                          efficiency=0.50),
+                          efficiency=0.50, memory_bw=_bw("H200")),
     # CPU: peak measured at run time (a 1024^2 float32 matmul), memory read from the host;
     # "links" are memcpy. A GPT's forward + backward reaches about half the matmul rate
     # (scripts/measure.py device-efficiency on 2 cores: 0.009 of 0.018 TFLOP/s).

@@ -18,7 +18,9 @@ Conventions follow XLA's HloCostAnalysis so the two can be compared:
   attention it replaces, full square as XLA's attention computes it (and as MFU counts it):
   4·B·N·T·S·H forward, 8·B·N·T·S·H backward, B·N·T·S exponentials each way. The kernel's
   own work differs (it skips masked tiles and recomputes scores); the convention keeps a
-  model's FLOPs independent of its attention kernel.
+  model's FLOPs independent of its attention kernel. What a causal kernel skips (the matmuls of
+  the masked upper triangle) is counted apart, in ``skipped``: the planner's time model charges
+  only the work the kernel runs.
 """
 
 from __future__ import annotations
@@ -56,14 +58,16 @@ class Counts:
 
     flops: float = 0.0
     transcendentals: float = 0.0
+    skipped: float = 0.0  # of ``flops``: masked work a fused kernel does not run
 
     def __iadd__(self, other: Counts) -> Counts:
         self.flops += other.flops
         self.transcendentals += other.transcendentals
+        self.skipped += other.skipped
         return self
 
     def scaled(self, k: float) -> Counts:
-        return Counts(self.flops * k, self.transcendentals * k)
+        return Counts(self.flops * k, self.transcendentals * k, self.skipped * k)
 
     @property
     def total(self) -> float:
@@ -110,7 +114,11 @@ def _fused_attention_counts(eqn: Any) -> Counts:
     b, n, t, h = (q[0], q[1], q[2], q[3]) if bnth else (q[0], q[2], q[1], q[3])
     s = k[2] if bnth else k[1]
     pairs = float(b * n * t * s)
-    return Counts((8.0 if "bwd" in eqn.primitive.name else 4.0) * pairs * h, pairs)
+    per_pair = (8.0 if "bwd" in eqn.primitive.name else 4.0) * h
+    # A causal kernel skips the query-key pairs above the diagonal (t = s: t(t-1)/2 per head).
+    causal = "CAUSAL" in str(eqn.params.get("mask_type", "")) and t == s
+    masked = float(b * n * t * (t - 1) / 2) if causal else 0.0
+    return Counts(per_pair * pairs, pairs, per_pair * masked)
 
 
 def eqn_counts(eqn: Any) -> Counts:

@@ -158,7 +158,8 @@ def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int
 
 def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[str, Any]:
     _, arrays, _ = _layer_fn(call)
-    out: dict[str, Any] = {"saved": {}, "fused": {}, "recompute": {}, "transient": {}}
+    out: dict[str, Any] = {"saved": {}, "fused": {}, "recompute": {}, "transient": {},
+                          "skipped": {}}
     totals: dict[str, float] = {}
     for policy in policies:
         jaxpr, res_avals, fused, transient = _residual_avals(call, policy, arrays, rows)
@@ -177,6 +178,7 @@ def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[s
             (bwd if F.is_backward(leaf.name_stack) else fwd).__iadd__(
                 leaf.counts.scaled(leaf.multiplier))
         totals[policy] = fwd.flops + bwd.flops
+        out["skipped"][policy] = fwd.skipped + bwd.skipped
         if policy == "none":
             out["fwd"], out["bwd"] = fwd.flops, bwd.flops
             out["transcendentals"] = fwd.transcendentals + bwd.transcendentals

@@ -66,10 +66,17 @@ class LayerCost:
     # Live values of the layer's backward pass beyond its saved activations and parameter
     # gradients, per remat policy (their peak: the working set). Empty: unknown.
     transient: dict[str, Any] = field(default_factory=dict)
+    # Per remat policy, the FLOPs counted in ``flops`` that fused kernels skip (causal masks).
+    skipped_flops: dict[str, float] = field(default_factory=dict)
 
     def flops(self, remat: str = "none") -> float:
         """Training FLOPs (forward, backward, recomputation) at the traced batch."""
         return self.fwd_flops + self.bwd_flops + self.recompute_flops.get(remat, 0.0)
+
+    def run_flops(self, remat: str = "none") -> float:
+        """:meth:`flops` less what fused kernels skip (a causal attention's masked half):
+        the work the device runs, which its time is charged for."""
+        return self.flops(remat) - self.skipped_flops.get(remat, 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "fwd_flops": self.fwd_flops,
@@ -306,6 +313,7 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
                 name=f"{spec.name}/{i}" if spec.stack else spec.name,
                 kind="block" if spec.stack else "layer", fwd_flops=a["fwd"], bwd_flops=a["bwd"],
                 transcendentals=a["transcendentals"], recompute_flops=dict(a["recompute"]),
+                skipped_flops=dict(a["skipped"]),
                 saved=dict(a["saved"]), fused=dict(a["fused"]),
                 transient=dict(a["transient"]), params=leaves,
                 share=1.0 / count,

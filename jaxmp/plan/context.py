@@ -234,7 +234,12 @@ class Context:
                 and lay.saved[remat].bytes < lay.saved["none"].bytes
             regather = rematted or (lay.in_loop and not (custom and remat == "none"))
             kept = 0.0 if regather else sh.gather_wire
-            flops = lay.flops(remat) * rows / cost.rows / (tensor if sh.tensor_dims else 1)
+            # Time: the FLOPs the device runs (less what causal kernels skip) at the
+            # achievable rate, plus the saved activations' memory traffic: written in the
+            # forward, read back in the backward, at the memory bandwidth (docs/planner.md §2).
+            flops = lay.run_flops(remat) * rows / cost.rows / (tensor if sh.tensor_dims else 1)
+            seconds = flops / self.rate + (2 * act / self.profile.memory_bw
+                                           if self.profile.memory_bw else 0.0)
             # Full remat recomputes the forward, with its row-parallel all-reduces (all but the
             # last: the layer's own output is not needed again).
             # (A tied head reads the embedding's table transposed: its rows are columns.)
@@ -260,8 +265,8 @@ class Context:
             # full size (in the wire dtypes) beside its own live values.
             per_group.append((act + kept, saved,
                               transient + sh.reduce_wire + (sh.gather_wire if regather else 0.0),
-                              transient, flops / self.rate + tensor_bytes / bw_tensor,
-                              flops / self.rate, tensor_bytes, sh.local, sh.gathered,
+                              transient, seconds + tensor_bytes / bw_tensor,
+                              seconds, tensor_bytes, sh.local, sh.gathered,
                               sh.unsharded_fsdp, lay.boundary_bytes * rows / cost.rows, gathers,
                               fsdp_bytes, first_gather, sh.grads, sh.cast, sh.matrices))
         columns = np.array(per_group, dtype=np.float64)[self.group_of]

@@ -28,7 +28,10 @@ predicts the rest, where every device runs every layer:
   ``fsdp`` all-gathers weights (forward, and again in the backward pass of a scanned stack or
   under remat) and reduce-scatters gradients, (N-1)/N·S each, per microbatch; ``tensor``
   all-reduces a layer's activations once per tensor-split weight matrix.
-* **time**: FLOPs at the profile's achievable rate (``peak_flops x efficiency``); tensor
+* **time**: the FLOPs the device runs (less a causal kernel's masked half) at the profile's
+  achievable rate (``peak_flops x efficiency``), plus memory traffic at its ``memory_bw``:
+  saved activations written and read back, per-microbatch weight casts and float32
+  accumulation, the optimizer's update (:func:`fixed_memory_time`); tensor
   all-reduces on the critical path; fsdp and data collectives overlapped layer by layer with
   compute where the backend does that (:func:`~jaxmp.plan.context.overlapped`).
 """
@@ -125,7 +128,8 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     if at_end:
         comm_s["data"] = raw["data"]
     comm_s["data"] += gather_after * raw["data"]
-    compute = microbatches * float(table.compute_time.sum())
+    compute = microbatches * float(table.compute_time.sum()) \
+        + fixed_memory_time(ctx, table, m, params, microbatches, zero)
     comm_s["tensor"] = microbatches * float((table.time - table.compute_time).sum())  # critical
     step = compute + sum(comm_s.values())
     flops_step = ctx.flops_per_step(layout.remat)
@@ -137,6 +141,23 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
         stages=[(0, len(cost.layers))], stage_time_s=[step],
         comm_hidden_s={k: hidden * share[k] for k in raw}, working_parts=working_parts,
         activation_parts={f"saved, live in {name}'s backward": acts})
+
+
+def fixed_memory_time(ctx: Context, table: LayerTable, m: MasterTerms, params: float,
+                      microbatches: int, zero: int) -> float:
+    """Seconds of memory traffic outside the layers' compute, at the profile's memory
+    bandwidth (0 on profiles without one): per microbatch, the compute-dtype casts of the
+    weight matrices (read wide, written narrow) and, accumulating, the float32 running sum
+    (read it and the microbatch's gradients, write it); per step, Adam's update (read the
+    params, gradients and both moments, write params and moments)."""
+    bw = ctx.profile.memory_bw
+    if not bw:
+        return 0.0
+    narrow = 0.5 if ctx.compute_dtype in ("bfloat16", "float16") else 0.0
+    casts = float(table.matrices.sum()) * (1 + narrow) if narrow else 0.0
+    sums = 3 * params * m.wide if microbatches > 1 else 0.0
+    update = (2 * m.stored + params * m.wide) / zero + 2 * m.optimizer
+    return (microbatches * (casts + sums) + update) / bw
 
 
 def data_reduction_bytes(ctx: Context, layout: Layout, table: LayerTable, m: MasterTerms,

@@ -307,11 +307,17 @@ class Context:
         every = all(self.shard(i, fsdp, tensor).tensor_weights
                     == self.shard(i, fsdp, tensor).n_matrices
                     for i in self.first if self.cost.layers[i].kind == "block")
-        looped = microbatches > 1 and int(sizes.get("stage", 1)) == 1
-        if looped and self.sequence_parallel == "auto" \
-                and not self.profile.sequence_parallel_in_loops:
+        if self.sequence_parallel == "auto" and not self.sp_kept(sizes, microbatches, True):
             return (False,)
         return sequence_choices(self.sequence_parallel, tensor, self.seq_len, every)
+
+    def sp_kept(self, sizes: Mapping[str, int], microbatches: int, sp: bool) -> bool:
+        """Whether the compiled step keeps the activations sequence-sharded that ``sp`` asks
+        for: not inside a gradient-accumulation loop on a compiler that gathers them whole
+        there (``DeviceProfile.sequence_parallel_in_loops``); the step then holds them as
+        without sequence parallelism, and is predicted so."""
+        looped = microbatches > 1 and int(sizes.get("stage", 1)) == 1
+        return sp and not (looped and not self.profile.sequence_parallel_in_loops)
 
     def optimizer_sharding(self, tried: str, sizes: Mapping[str, int]) -> str:
         """The optimizer-state sharding a candidate builds: ``tried``, except ``"data"``

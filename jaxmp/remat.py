@@ -21,6 +21,26 @@ REMAT_POLICIES: dict[str, Any] = {
 }
 assert tuple(REMAT_POLICIES) == REMAT_POLICY_NAMES  # the config's names (model.remat)
 
+# What a pipeline's stash recomputes when the model runs without remat (its forward's residuals
+# wait in a buffer, one slot per microbatch in flight, so they are chosen by a policy): casts,
+# slices and reshapes, and elementwise ops. The stash keeps the matmuls' outputs, reductions,
+# gathers and named values. Elementwise ops are what XLA's attention makes ``S x S`` float32
+# arrays of (the scores minus their maximum, their exponent, the probabilities, the masks):
+# kept, they were four float32 ``S x S`` arrays and two masks per block (gpt-1b stage 8 on 64
+# H100s: 72.4 GiB compiled); recomputed from the scores, one.
+STASH_RECOMPUTED = frozenset("""convert_element_type dynamic_slice slice sharding_constraint
+reshape broadcast_in_dim transpose squeeze expand_dims copy copy_p select_n concatenate pad iota
+add add_any sub mul div neg max min exp exp2 log log1p expm1 pow integer_pow square sqrt rsqrt
+cbrt tanh logistic erf erfc erf_inv sin cos tan abs sign floor ceil round clamp rem
+is_finite and or not xor eq ne lt le gt ge reduce_precision nextafter
+""".split())
+
+
+def stash_keeps(prim: Any, *_: Any, **__: Any) -> bool:
+    """The ``jax.checkpoint`` policy of a pipeline's stash without remat (and of the cost
+    model's staged residuals, so the planner measures what the stash keeps)."""
+    return prim.name not in STASH_RECOMPUTED
+
 
 def checkpointed(fn: Any, remat: str, **kwargs: Any) -> Any:
     """``fn`` under the named policy (``fn`` itself for ``"none"``)."""

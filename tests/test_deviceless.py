@@ -331,8 +331,10 @@ def test_a_pipelined_step_compiles_for_gpus():
     the collective-permutes between stages, and its fsdp weight gradients made inside the
     ticks' conditionals are reduce-scattered, as the planner predicts, not all-reduced whole
     (before the executor pinned them to the parameters' sharding: 36 of 52 MiB were such
-    all-reduces, 2x a reduce-scatter's bytes). Peak near the plan's (measured -13 % at seq
-    512, jax 0.10.2; the 34B case of docs/planner.md: -1 %)."""
+    all-reduces, 2x a reduce-scatter's bytes). Peak as the plan's within 11 % (seq 512:
+    jax 0.10.2 84 MiB compiled, -8 %; jax 0.12 97 MiB, -10.2 %; before the stash recomputed XLA attention's elementwise
+    ops per block and was written outside the ticks' conditionals: 255 MiB, -13 %, and at
+    seq 2048 1930 MiB, -21 %; now 605 MiB, -7 %)."""
     from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
     from jaxmp.tools.measure import measure_step
     from jaxmp.topology import gpu_topology
@@ -347,7 +349,8 @@ def test_a_pipelined_step_compiles_for_gpus():
     assert by_kind["collective-permute"] > 0
     assert by_kind["reduce-scatter"] > 0 and by_kind["all-reduce"] < 0.01 * by_kind[
         "reduce-scatter"], by_kind
-    assert plan.predicted.per_device_bytes == pytest.approx(m.peak_bytes, rel=0.3)
+    assert plan.layout.remat == "none"  # the stash's own policy (jaxmp.remat.stash_keeps)
+    assert plan.predicted.per_device_bytes == pytest.approx(m.peak_bytes, rel=0.11)
 
 
 @needs_plugin

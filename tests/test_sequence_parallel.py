@@ -229,6 +229,26 @@ def test_auto_turns_it_on_only_where_it_pays():
     assert sent[1] - sent[0] == pytest.approx((2 * 2 + 1) * 7 / 8 * io)
 
 
+def test_explicit_inside_a_gpu_accumulation_loop_is_predicted_as_compiled():
+    """XLA's GPU pipeline keeps the activations whole inside the accumulation loop
+    (DeviceProfile.sequence_parallel_in_loops, measured in docs/planner.md §7): an explicit
+    ``sequence_parallel=true`` there is built but predicted at the peak without it; with one
+    microbatch (no loop) it is predicted lower, as compiled."""
+    sets = ["model.layers=2", "model.d_model=256", "model.heads=8", "model.vocab_size=256",
+            "model.compute_dtype=bfloat16", "data.seq_len=256", "train.batch_size=8",
+            "mesh.tensor=4", "mesh.data=2", "mesh.stage=1", "mesh.fsdp=1", "model.remat=none"]
+
+    def peak(microbatches: int, sp: str) -> tuple[bool, float]:
+        plan = gpt_plan(jaxmp.load_config(None, sets + [f"train.microbatches={microbatches}",
+                                                        f"train.sequence_parallel={sp}"]), 8,
+                        device_kind="H100", platform="cuda")
+        return plan.layout.sequence_parallel, plan.predicted.per_device_bytes
+
+    looped_on, looped_off = peak(2, "true"), peak(2, "false")
+    assert looped_on[0] and looped_on[1] == pytest.approx(looped_off[1])
+    assert peak(1, "true")[1] < peak(1, "false")[1]
+
+
 # ---------------------------------------------------------------- compiled bytes
 
 

@@ -24,7 +24,7 @@ from jaxmp.cost import flops as F
 from jaxmp.cost.fusion import kept_values
 from jaxmp.cost.liveness import Timeline, backward_timeline
 from jaxmp.cost.trace import LayerCall
-from jaxmp.remat import checkpointed
+from jaxmp.remat import checkpointed, stash_keeps
 
 @dataclass(frozen=True)
 class Saved:
@@ -99,11 +99,13 @@ def _layer_fn(call: LayerCall) -> tuple[Callable, list, list[bool]]:
     return f, arrays, [bool(jnp.issubdtype(a.dtype, jnp.inexact)) for a in arrays]
 
 
-def _vjp_program(call: LayerCall, policy: str) -> tuple[Callable, list[bool]]:
+def _vjp_program(call: LayerCall, policy: str, staged: bool = False
+                 ) -> tuple[Callable, list[bool]]:
     """``run(params, rest, cts, *arrays) -> (out, grads, residuals)``: forward + backward under
-    ``policy``. Cotangents are inputs, not constants, so XLA cannot fold the backward away."""
+    ``policy`` (``staged``: under a pipeline stash's policy without remat). Cotangents are
+    inputs, not constants, so XLA cannot fold the backward away."""
     f, _, is_float = _layer_fn(call)
-    f = checkpointed(f, policy)
+    f = jax.checkpoint(f, policy=stash_keeps) if staged else checkpointed(f, policy)
     keep: list[bool] = []
 
     def run(params: Any, rest: Any, cts: list, *arrays: Any) -> Any:
@@ -130,11 +132,11 @@ def _cotangents(call: LayerCall, arrays: list) -> list:
     return [x for x in jax.tree.leaves(out) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
-def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int
+def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, staged: bool = False
                     ) -> tuple[Any, list, list, Timeline]:
     """The traced program, the residuals it keeps, those that survive fusion, and the peak
     bytes its backward pass needs beyond them (see :mod:`jaxmp.cost.liveness`)."""
-    run, keep = _vjp_program(call, policy)
+    run, keep = _vjp_program(call, policy, staged)
     cts = _cotangents(call, arrays)
     with jax.disable_jit():  # inline jitted helpers: a flat program for the analyses
         jaxpr = jax.make_jaxpr(run)(call.params, call.rest, cts, *arrays)
@@ -184,6 +186,12 @@ def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[s
             out["transcendentals"] = fwd.transcendentals + bwd.transcendentals
     for policy in policies:
         out["recompute"][policy] = max(0.0, totals[policy] - totals.get("none", totals[policy]))
+    out["staged"] = {}
+    if "none" in policies:  # what a pipeline's stash keeps of it (jaxmp.remat.stash_keeps)
+        res = _residual_avals(call, "none", arrays, rows, staged=True)[1]
+        one = _residual_avals(call, "none", with_rows(arrays, rows, 1), 1, staged=True)[1] \
+            if rows > 1 else None
+        out["staged"]["none"] = saved_from(res, one, rows)
     out["probe"] = (_layer_fn(call)[0], _vjp_program(call, "none")[0],
                     (call.params, call.rest, _cotangents(call, arrays), *arrays))
     return out

@@ -68,6 +68,9 @@ class LayerCost:
     transient: dict[str, Any] = field(default_factory=dict)
     # Per remat policy, the FLOPs counted in ``flops`` that fused kernels skip (causal masks).
     skipped_flops: dict[str, float] = field(default_factory=dict)
+    # What a pipeline's stash keeps of it, per remat policy, where that differs from ``saved``
+    # (without remat: :func:`jaxmp.remat.stash_keeps`). Empty: as ``saved``.
+    staged: dict[str, Saved] = field(default_factory=dict)
 
     def flops(self, remat: str = "none") -> float:
         """Training FLOPs (forward, backward, recomputation) at the traced batch."""
@@ -315,7 +318,7 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
                 transcendentals=a["transcendentals"], recompute_flops=dict(a["recompute"]),
                 skipped_flops=dict(a["skipped"]),
                 saved=dict(a["saved"]), fused=dict(a["fused"]),
-                transient=dict(a["transient"]), params=leaves,
+                transient=dict(a["transient"]), staged=dict(a["staged"]), params=leaves,
                 share=1.0 / count,
                 param_count=float(sum(math.prod(x.shape) for x in leaves)) / count,
                 param_bytes=pbytes, optimizer_bytes=optimizer_bytes(call.params),

@@ -29,7 +29,7 @@ from jaxmp import sharding
 from jaxmp.loss import split_loss
 from jaxmp.pipeline.residuals import BLOCK_INPUT
 from jaxmp.pipeline.stages import StageSplit
-from jaxmp.remat import checkpointed
+from jaxmp.remat import checkpointed, stash_keeps
 from jaxmp.sharding.tree import ROWS_KEY
 
 
@@ -136,9 +136,13 @@ class Chunk:
                n_blocks: jax.Array) -> jax.Array:
         """``x -> y``, both ``[rows, ...]`` (an activation: ``[rows, seq, embed]`` for the GPT),
         through the first ``n_blocks`` of the ``Lmax`` rows; each block under the spec's remat
-        policy, its input named :data:`~jaxmp.pipeline.residuals.BLOCK_INPUT`."""
+        policy, its input named :data:`~jaxmp.pipeline.residuals.BLOCK_INPUT`. Without remat,
+        each block under the stash's policy (:func:`jaxmp.remat.stash_keeps`): what it does not
+        keep is recomputed in that block's backward step, not for the whole chunk at once."""
         graph = block_graphdef(model, self.spec)  # in the model's mode (train / eval)
-        run = checkpointed(lambda h, layer: nnx.merge(graph, layer)(h), self.spec.remat)
+        block = lambda h, layer: nnx.merge(graph, layer)(h)  # noqa: E731
+        run = checkpointed(block, self.spec.remat) if self.spec.remat != "none" \
+            else jax.checkpoint(block, policy=stash_keeps, prevent_cse=False)
 
         def body(h: jax.Array, row: tuple) -> tuple[jax.Array, None]:
             index, layer = row

@@ -253,30 +253,39 @@ class _TrainingTicks(_DeviceTicks):
 
     def forward(self, state: _Training, inputs: TickInputs) -> tuple[_Training, jax.Array]:
         """Phase 2: the forward of (``forward_microbatch``, ``forward_chunk``), if any: its
-        output ``A`` (zeros without one); its residuals go to ``forward_stash_slot``."""
+        output ``A`` (zeros without one); its residuals go to ``forward_stash_slot`` (an idle
+        tick writes zeros to the spare slot). Buffers are written outside the tick's
+        conditionals: a buffer a ``lax.cond`` updates is copied by XLA (GPU-compiled, the stash
+        was held twice), one it only reads is not."""
 
-        def run(state: _Training) -> tuple[_Training, jax.Array]:
+        def run(x: jax.Array) -> tuple:
             local = inputs.forward_chunk
-            x = state.activations[_slot(inputs.forward_input_slot, self.program.act_slots)]
             (y, loss, weight), vjp = self.forward_for_backward(
                 self.params(local), x, self.microbatch(inputs.forward_microbatch),
                 self.global_chunk(local), self.n_blocks(local))
             kept = jax.tree.leaves(vjp)
             self.stash.check(kept)
-            residuals = [buffer.at[inputs.forward_stash_slot].set(leaf)
-                         for buffer, leaf in zip(state.residuals, kept)]
-            return state._replace(residuals=residuals, loss_sum=state.loss_sum + loss,
-                                  weight_sum=state.weight_sum + weight), y
+            return y, loss, weight, kept
 
-        return jax.lax.cond(inputs.forward_microbatch >= 0, run,
-                            lambda state: (state, self.zero_activation), state)
+        def idle(x: jax.Array) -> tuple:
+            zero = jnp.float32(0)
+            return self.zero_activation, zero, zero, [jnp.zeros(a.shape, a.dtype)
+                                                      for a in self.stash.avals]
+
+        x = state.activations[_slot(inputs.forward_input_slot, self.program.act_slots)]
+        y, loss, weight, kept = jax.lax.cond(inputs.forward_microbatch >= 0, run, idle, x)
+        slot = _slot(inputs.forward_stash_slot, self.program.res_slots)
+        residuals = [buffer.at[slot].set(leaf) for buffer, leaf in zip(state.residuals, kept)]
+        return state._replace(residuals=residuals, loss_sum=state.loss_sum + loss,
+                              weight_sum=state.weight_sum + weight), y
 
     def backward(self, state: _Training, inputs: TickInputs) -> tuple[_Training, jax.Array]:
         """Phase 3: the backward of (``backward_microbatch``, ``backward_chunk``), if any: the
-        gradients accumulate; returns its input's cotangent ``A`` (zeros without one)."""
+        gradients accumulate (outside the conditional, see :meth:`forward`); returns its
+        input's cotangent ``A`` (zeros without one)."""
+        local = inputs.backward_chunk
 
-        def run(state: _Training) -> tuple[_Training, jax.Array]:
-            local = inputs.backward_chunk
+        def run(state: _Training) -> tuple:
             params = self.params(local)
             if self.schedule.folds_last:
                 grads, x_cotangent, loss, weight = jax.lax.cond(
@@ -285,15 +294,21 @@ class _TrainingTicks(_DeviceTicks):
             else:
                 grads, x_cotangent, loss, weight = self._stashed_backward(state, inputs, params)
             shared_grads, chunk_grads = grads
-            chunk_grads = self.like_params(chunk_grads)
-            return state._replace(
-                stack_grads=jax.tree.map(lambda acc, g: acc.at[local].add(g), state.stack_grads,
-                                         chunk_grads),
-                shared_grads=jax.tree.map(jnp.add, state.shared_grads, shared_grads),
-                loss_sum=state.loss_sum + loss, weight_sum=state.weight_sum + weight), x_cotangent
+            return shared_grads, self.like_params(chunk_grads), loss, weight, x_cotangent
 
-        return jax.lax.cond(inputs.backward_microbatch >= 0, run,
-                            lambda state: (state, self.zero_activation), state)
+        def idle(state: _Training) -> tuple:
+            chunk = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), self.stack)
+            zero = jnp.float32(0)
+            return (jax.tree.map(jnp.zeros_like, state.shared_grads), self.like_params(chunk),
+                    zero, zero, self.zero_activation)
+
+        shared_grads, chunk_grads, loss, weight, x_cotangent = jax.lax.cond(
+            inputs.backward_microbatch >= 0, run, idle, state)
+        return state._replace(
+            stack_grads=jax.tree.map(lambda acc, g: acc.at[local].add(g.astype(acc.dtype)),
+                                     state.stack_grads, chunk_grads),
+            shared_grads=jax.tree.map(jnp.add, state.shared_grads, shared_grads),
+            loss_sum=state.loss_sum + loss, weight_sum=state.weight_sum + weight), x_cotangent
 
     def _stashed_backward(self, state: _Training, inputs: TickInputs, params: tuple) -> tuple:
         """``(grads of params, cotangent of x A, 0, 0)`` from the residuals in

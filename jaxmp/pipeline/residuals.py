@@ -4,7 +4,8 @@ A pipeline runs a chunk's backward some ticks after its forward, so the forward'
 in a per-device buffer, one slot per microbatch in flight. Two things keep that buffer small:
 
 * **Which intermediates are kept** — :func:`stash_policy`, a ``jax.checkpoint`` policy: without
-  remat everything expensive (casts, slices, reshapes are recomputed); with a remat policy, that
+  remat the matmuls' outputs, reductions and named values (:func:`jaxmp.remat.stash_keeps`:
+  casts, reshapes and elementwise ops are recomputed); with a remat policy, that
   policy plus each block's input.
 * **No copies of the parameters.** ``jax.vjp`` keeps the arguments it needs verbatim apart from
   the intermediates it computed: its ``vjpfun.args_res`` holds one entry per argument. The
@@ -28,26 +29,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxmp.remat import REMAT_POLICIES
+from jaxmp.remat import REMAT_POLICIES, stash_keeps
 
 BLOCK_INPUT = "jaxmp_pipeline_block_input"  # the checkpoint_name of each block's input
-_CHEAP = frozenset("""convert_element_type dynamic_slice slice sharding_constraint reshape
-broadcast_in_dim transpose squeeze expand_dims copy copy_p select_n concatenate pad iota
-""".split())
 _SAVEABLE_ARGS = "saveable_args" in inspect.signature(jax.vjp).parameters
 
 
-def _keep_expensive(prim: Any, *_: Any, **__: Any) -> bool:
-    """Keep what is expensive to recompute; casts, slices and reshapes are redone."""
-    return prim.name not in _CHEAP
-
-
 def stash_policy(remat: str) -> Callable:
-    """What a chunk's forward keeps for its backward. Without remat: everything expensive. With
-    a remat policy, that policy plus each block's input: an outer policy decides for the
-    nested blocks too, so saving everything expensive here would undo the blocks' remat."""
+    """What a chunk's forward keeps for its backward. Without remat:
+    :func:`jaxmp.remat.stash_keeps`. With a remat policy, that policy plus each block's input:
+    an outer policy decides for the nested blocks too, so saving more here would undo the
+    blocks' remat."""
     if remat == "none":
-        return _keep_expensive
+        return stash_keeps
     return jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.save_only_these_names(BLOCK_INPUT), REMAT_POLICIES[remat])
 

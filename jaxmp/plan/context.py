@@ -165,17 +165,20 @@ class Context:
                               (self.seq_len or 0) if sp else 0)
 
     def _saved_bytes(self, i: int, remat: str, fsdp: int, tensor: int, rows: float,
-                     fused: bool, sp: bool = False) -> float:
+                     fused: bool, sp: bool = False, staged: bool = False) -> float:
         def split() -> tuple[float, float]:
             div = self._divisor(i, fsdp, tensor, sp)
             lay = self.cost.layers[i]
             saved = lay.fused.get(remat, lay.saved.get(remat)) if fused else lay.saved[remat]
+            if staged:  # what a pipeline's stash keeps (jaxmp.pipeline.residuals)
+                saved = lay.staged.get(remat, saved)
             const, per_row = saved.split(div, self.profile.upcasts_16bit)
             # A scan stores the row-independent residuals (its weights' compute-dtype casts)
             # split like the weights, and gathers them again for the backward pass.
             return (const / fsdp if lay.in_loop else const), per_row
 
-        const, per_row = self.cached(("saved", i, remat, fsdp, tensor, fused, sp), split)
+        const, per_row = self.cached(("saved", i, remat, fsdp, tensor, fused, sp, staged),
+                                     split)
         return const + per_row * rows
 
     def _transient(self, i: int, remat: str, fsdp: int, tensor: int, rows: float,
@@ -218,7 +221,7 @@ class Context:
         per_group = []
         for i in self.first:
             lay, sh = cost.layers[i], self.shard(i, fsdp, tensor)
-            saved = self._saved_bytes(i, remat, fsdp, tensor, rows, False, sp)
+            saved = self._saved_bytes(i, remat, fsdp, tensor, rows, False, sp, staged)
             act = self._saved_bytes(i, remat, fsdp, tensor, rows, True, sp) \
                 if not lay.in_loop else saved
             io = max(lay.boundary_bytes, lay.input_bytes) * rows / cost.rows
@@ -309,11 +312,17 @@ class Context:
         every = all(self.shard(i, fsdp, tensor).tensor_weights
                     == self.shard(i, fsdp, tensor).n_matrices
                     for i in self.first if self.cost.layers[i].kind == "block")
-        looped = microbatches > 1 and int(sizes.get("stage", 1)) == 1
-        if looped and self.sequence_parallel == "auto" \
-                and not self.profile.sequence_parallel_in_loops:
+        if self.sequence_parallel == "auto" and not self.sp_kept(sizes, microbatches, True):
             return (False,)
         return sequence_choices(self.sequence_parallel, tensor, self.seq_len, every)
+
+    def sp_kept(self, sizes: Mapping[str, int], microbatches: int, sp: bool) -> bool:
+        """Whether the compiled step keeps the activations sequence-sharded that ``sp`` asks
+        for: not inside a gradient-accumulation loop on a compiler that gathers them whole
+        there (``DeviceProfile.sequence_parallel_in_loops``); the step then holds them as
+        without sequence parallelism, and is predicted so."""
+        looped = microbatches > 1 and int(sizes.get("stage", 1)) == 1
+        return sp and not (looped and not self.profile.sequence_parallel_in_loops)
 
     def optimizer_sharding(self, tried: str, sizes: Mapping[str, int]) -> str:
         """The optimizer-state sharding a candidate builds: ``tried``, except ``"data"``

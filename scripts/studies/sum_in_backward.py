@@ -1,0 +1,65 @@
+"""Microbatch gradients summed inside the backward pass vs after it (jaxmp/gradsum.py).
+
+    python scripts/measure.py sum-in-backward gpu    # 8 deviceless H100s (CUDA plugin)
+    python scripts/measure.py sum-in-backward cpu --simulate-devices 8
+
+A 4-layer, 512-wide GPT (12.8 M params) with bf16 params beside a float32 master, the optimizer
+sharded over data and 4 microbatches: the compiled step with ``Trainer.sum_in_backward`` off
+(the plain ``lax.scan`` accumulation: each microbatch's whole gradient beside the float32
+running sum) and on (each layer's gradient added into the sum as the backward produces it) —
+per-device temporary and collective bytes beside the planner's prediction (which follows
+what is built: with microbatches, "on").
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from studies.common import add_cpu_or_gpu, eight_devices
+
+DOC = "docs/benchmarks.md"
+DEVICES = True
+
+GPT = ["model.layers=4", "model.d_model=512", "model.heads=8", "model.head_dim=64",
+       "model.kv_heads=8", "model.mlp_dim=2048", "model.vocab_size=256",
+       "model.tie_embeddings=false", "data.seq_len=16", "train.batch_size=32",
+       "checkpoint.enabled=false", "train.sequence_parallel=false",
+       "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16", "train.microbatches=4",
+       "train.optimizer_sharding=data"]
+ROWS = [["mesh.data=8", "model.remat=save_dots"],
+        ["mesh.data=4", "mesh.tensor=2", "mesh.fsdp=1", "model.remat=save_dots"],
+        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "model.remat=save_dots"],
+        ["mesh.data=8", "model.remat=none"]]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_cpu_or_gpu(p, "gpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    devs = eight_devices(args)
+    gpu = args.part == "gpu"
+    import jaxmp
+    from jaxmp._util.fmt import fmt_bytes
+    from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
+    from jaxmp.tools.measure import measure_step
+
+    print("| layout | temporary bytes, off | on | predicted | collective bytes, off | on |"
+          "\n|---|---|---|---|---|---|")
+    for row in ROWS:
+        config = jaxmp.load_config(None, GPT + row)
+        plan = gpt_plan(config, 8, device_kind="H100", platform="cuda",
+                        find_devices_needed=False) if gpu else None
+        t = gpt_trainer(config, "unused", devices=devs, with_data=False, plan=plan)
+        measured = []
+        for on in (False, True):
+            t.sum_in_backward = on
+            measured.append(measure_step(t))
+        p = t.plan.predicted
+        off, on = measured
+        label = " ".join(s.removeprefix("mesh.").removeprefix("model.") for s in row)
+        print(f"| {label} | {fmt_bytes(off.temp_bytes)} | {fmt_bytes(on.temp_bytes)} | "
+              f"{fmt_bytes(p.per_device_bytes - p.argument_bytes)} | "
+              f"{fmt_bytes(off.collective_bytes)} | {fmt_bytes(on.collective_bytes)} |",
+              flush=True)
+    return 0

@@ -2,6 +2,7 @@
 
     python scripts/measure.py sum-in-backward gpu    # 8 deviceless H100s (CUDA plugin)
     python scripts/measure.py sum-in-backward cpu --simulate-devices 8
+    python scripts/measure.py sum-in-backward time --simulate-devices 8   # step-time ratios
 
 A 4-layer, 512-wide GPT (12.8 M params) with bf16 params beside a float32 master, the optimizer
 sharded over data and 4 microbatches: the compiled step with ``Trainer.sum_in_backward`` off
@@ -33,10 +34,63 @@ ROWS = [["mesh.data=8", "model.remat=save_dots"],
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_cpu_or_gpu(p, "gpu")
+    p.add_argument("part", nargs="?", default="gpu", choices=["cpu", "gpu", "time"],
+                   help="gpu: 8 deviceless H100s; cpu: 8 devices; time: step-time ratios "
+                        "on vs off on 8 devices, interleaved (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=7, help="A B rounds (time)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per run (time)")
+
+
+TIMED = ["model.layers=2", "model.d_model=256", "model.heads=4", "model.head_dim=64",
+         "model.kv_heads=4", "model.mlp_dim=1024", "model.vocab_size=256",
+         "model.tie_embeddings=false", "data.seq_len=64", "train.batch_size=32",
+         "checkpoint.enabled=false", "model.param_dtype=bfloat16", "mesh.data=4",
+         "mesh.tensor=2", "mesh.fsdp=1", "mesh.stage=1", "train.optimizer_sharding=data"]
+
+
+def _ratios(args: argparse.Namespace, devs: list, a: tuple, b: tuple) -> str:
+    """Median and spread of b/a step-time ratios, runs interleaved A B A B (one invocation)."""
+    import statistics
+
+    from jaxmp.tools.bench import random_batch, time_steps
+    from jaxmp.train.state import init_state
+    from jaxmp.train.step import batch_spec
+    from jaxmp.data.batches import to_global
+
+    runs = []
+    for trainer, on in (a, b):
+        trainer.sum_in_backward = on
+        batch = random_batch(trainer.example_batch)
+        spec = batch_spec(trainer.mesh, trainer.rules, next(iter(batch.values())).shape[0])
+        state = init_state(trainer.layout, trainer.model_fn, trainer.tx, 0)
+        runs.append([trainer.compile(), state, to_global(batch, trainer.mesh, spec)])
+    ratios = []
+    for _ in range(args.rounds):
+        medians = []
+        for run in runs:
+            times, _, run[1] = time_steps(run[0], run[1], run[2], args.steps, 1)
+            medians.append(statistics.median(times))
+        ratios.append(medians[1] / medians[0])
+    ratios.sort()
+    return (f"{statistics.median(ratios):.3f} (min {ratios[0]:.3f}, max {ratios[-1]:.3f}, "
+            f"{args.rounds} rounds of {args.steps} steps)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.part == "time":
+        import jaxmp
+        from jaxmp.recipes.gpt import gpt_trainer
+
+        devs = eight_devices(argparse.Namespace(**{**vars(args), "part": "cpu"}))
+        make = lambda *sets: gpt_trainer(jaxmp.load_config(None, TIMED + list(sets)),  # noqa: E731
+                                         "unused", devices=devs, with_data=False)
+        acc = make("train.microbatches=4")
+        print("sum inside the backward on / off (4 microbatches):",
+              _ratios(args, devs, (acc, False), (acc, True)), flush=True)
+        print("float32 master on / off (bf16 params, 1 microbatch):",
+              _ratios(args, devs, (make("train.master_weights=none"), False),
+                      (make("train.master_weights=float32"), False)), flush=True)
+        return 0
     devs = eight_devices(args)
     gpu = args.part == "gpu"
     import jaxmp

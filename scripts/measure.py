@@ -39,6 +39,7 @@ STUDIES = {
     "deviceless-scale": "deviceless_scale",
     "optimizer-sharding": "optimizer_sharding",
     "master-weights": "master_weights",
+    "sum-in-backward": "sum_in_backward",
     "sequence-parallel": "sequence_parallel",
     "overhead": "overhead",
     "checkpoint": "checkpoint",

@@ -22,16 +22,19 @@ OPT = OptimizerConfig(lr=1e-3, warmup_steps=1, eps=1e-4)
 MESHES = [{"data": 8}, {"fsdp": 8}, {"tensor": 8}, {"data": 2, "fsdp": 2, "tensor": 2}]
 
 
-def _run(axes: dict, devices=None, steps: int = 3, grad_accum: int = 1, batch=None):
+def _run(axes: dict, devices=None, steps: int = 3, grad_accum: int = 1, batch=None,
+         sum_in_backward: bool = False):
     mesh = jaxmp.make_mesh(axes, devices)
     tx, sched = make_optimizer(OPT, 10), make_schedule(OPT, 10)
     layout = plan_state(gpt_fn(), tx, mesh)
     state = init_state(layout, gpt_fn(), tx, seed=0)
     batch = batch or lm_batch()
     gbatch = jax.device_put(batch, batch_sharding(layout, jaxmp.rules.DEFAULT_RULES, batch))
-    grad_fn = jax.jit(make_grad_fn(layout, lm_loss, grad_accum))
+    grad_fn = jax.jit(make_grad_fn(layout, lm_loss, grad_accum,
+                                   sum_in_backward=sum_in_backward))
     loss, grads, _, _ = grad_fn(state.params, state.rest, gbatch)
-    step = make_train_step(layout, lm_loss, tx, sched, batch, grad_accum)
+    step = make_train_step(layout, lm_loss, tx, sched, batch, grad_accum,
+                           sum_in_backward=sum_in_backward)
     losses = []
     for _ in range(steps):
         state, m = step(state, gbatch)
@@ -83,6 +86,36 @@ def test_grad_accumulation_equals_full_batch():
     for a, f in zip(_leaves(accum[1]), _leaves(full[1]), strict=True):
         np.testing.assert_allclose(a, f, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(accum[3], full[3], rtol=1e-5)
+
+
+def _temp_bytes(layout, grad_accum: int, sum_in_backward: bool) -> int:
+    tx = make_optimizer(OPT, 10)
+    state = init_state(layout, gpt_fn(), tx, seed=0)
+    batch = lm_batch(batch=16)
+    gbatch = jax.device_put(batch, batch_sharding(layout, jaxmp.rules.DEFAULT_RULES, batch))
+    fn = jax.jit(make_grad_fn(layout, lm_loss, grad_accum, sum_in_backward=sum_in_backward))
+    return fn.lower(state.params, state.rest, gbatch).compile().memory_analysis() \
+        .temp_size_in_bytes
+
+
+def test_sum_in_backward_equals_accumulation_and_drops_the_microbatch_gradient():
+    """Microbatch gradients added into the float32 sum inside the backward (jaxmp.gradsum):
+    the same loss, gradients and params after 3 steps, and the compiled temporaries lose the
+    microbatch's whole gradient of the layer stack."""
+    axes, batch = {"data": 2, "fsdp": 2, "tensor": 2}, lm_batch(batch=16)
+    plain = _run(axes, grad_accum=4, batch=batch)
+    into = _run(axes, grad_accum=4, batch=batch, sum_in_backward=True)
+    np.testing.assert_allclose(float(into[0]), float(plain[0]), rtol=1e-6)
+    for a, p in zip(_leaves(into[1]), _leaves(plain[1]), strict=True):
+        np.testing.assert_allclose(a, p, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(into[3], plain[3], rtol=1e-6)
+    for a, p in zip(_leaves(into[2].params), _leaves(plain[2].params), strict=True):
+        np.testing.assert_allclose(a, p, rtol=1e-6, atol=1e-6 * np.abs(p).max())
+    layout = plain[4]
+    stacked = sum(x.size for x in jax.tree.leaves(layout.abstract.params) if x.ndim == 3)
+    fall = _temp_bytes(layout, 4, False) - _temp_bytes(layout, 4, True)
+    # float32 grads of the stacked layers, per device (sharded over fsdp x tensor = 4)
+    assert fall >= 0.5 * 4 * stacked / 4, (fall, stacked)
 
 
 class _Dropout(nnx.Module):

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmp.gradsum import scan_layers
 from jaxmp.remat import checkpointed
 from jaxmp.sharding import constrain, constrain_param, names_of
 
@@ -254,8 +255,7 @@ class GPT(nnx.Module):
 
         body = checkpointed(body, self.cfg.remat, prevent_cse=not self.cfg.scan_layers)
         if self.cfg.scan_layers:
-            x, _ = jax.lax.scan(body, x, stacked)
-            return x
+            return scan_layers(body, x, stacked)
         for i in range(self.cfg.layers):
             x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], stacked))
         return x

@@ -68,7 +68,9 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     opt = m.optimizer
     batch = cost.batch_bytes / (data * fsdp)
     args = m.stored + opt + batch + STEP_STATE_BYTES
-    phase = backward_phases(table, ctx.in_loop, ctx.tied)
+    # with microbatches the step adds a stack's gradients into the running sum inside the
+    # backward (jaxmp.gradsum): no stack-sized gradient buffer beside it
+    phase = backward_phases(table, ctx.in_loop, ctx.tied, summed=microbatches > 1)
     k = int(np.argmax(phase.total))
     # Accumulating over microbatches keeps a float32 running sum beside every backward pass.
     accumulator = params * m.wide if microbatches > 1 else 0.0
@@ -195,11 +197,13 @@ class Phases:
     total: np.ndarray
 
 
-def backward_phases(table: LayerTable, in_loop: np.ndarray, tied: np.ndarray) -> Phases:
+def backward_phases(table: LayerTable, in_loop: np.ndarray, tied: np.ndarray,
+                    summed: bool = False) -> Phases:
     """:class:`Phases` of a :class:`~jaxmp.plan.context.LayerTable` (``in_loop``: the layers
-    of a scanned stack; ``tied``: layers whose parameters another layer holds)."""
+    of a scanned stack; ``tied``: layers whose parameters another layer holds; ``summed``: the
+    stack's gradients go straight into the microbatches' running sum)."""
     kept = table.kept
-    held = np.where(tied, 0.0, table.grads)
+    held = np.where(tied | (in_loop.astype(bool) if summed else False), 0.0, table.grads)
     after = lambda x: np.concatenate([np.cumsum(x[::-1])[::-1][1:], [0.0]])  # noqa: E731
     live = np.cumsum(kept) + np.where(in_loop, after(kept * in_loop), 0.0)
     grads = after(held) + np.where(in_loop, np.cumsum(held * in_loop), 0.0)

@@ -136,13 +136,7 @@ PUBLISHED_ZERO: tuple[PublishedRun, ...] = (
         128, 4096, 16, (4, 4, 1), 10, 8646, 754),
     _nemo("NeMo GPT-3 20B", ("model.layers=44", "model.d_model=6144", "model.heads=48",
                              "model.vocab_size=50304"), 256, 2048, 64, (32, 1, 2), 1, 5851, 750,
-          micro=2, xfail_fit="81.7 GiB of 75.2 with float32 master weights and the optimizer "
-                             "sharded over data (118.0 with float32 params): the 16-bit params "
-                             "(18.9 GiB at tensor 2), the float32 running sum of 4 microbatches' "
-                             "gradients (37.7) and one microbatch's 16-bit gradients beside it "
-                             "(18.6): Megatron adds each microbatch's gradients into its float32 "
-                             "buffer inside the backward pass (6 + 12/data bytes per parameter), "
-                             "jaxmp's accumulation loop holds them apart (8 + 12/data)"),
+          micro=2),  # fits since microbatch gradients are summed inside the backward
 )
 RUNS = RUNS + PUBLISHED_ZERO
 

@@ -171,6 +171,9 @@ class Trainer:
             self.layout.graphdef, self.mesh, pipeline, self.stages.schedule, self.stages.split)
         self.grad_fn = None if self.executor is None else self.executor.grad_fn(
             without_data(self.step_rules) if self.reducer is not None else self.step_rules)
+        # microbatch gradients of the layer stack summed inside the backward (jaxmp.gradsum);
+        # the pipeline executor runs its own microbatches
+        self.sum_in_backward = self.accumulation > 1 and self.executor is None
         self.state: TrainState | None = None
         self.history: list[dict] = []
         self._batch_spec = None
@@ -220,7 +223,8 @@ class Trainer:
         step = make_train_step(self.layout, self.loss_fn, self.tx, self.lr_schedule, batch,
                                self.accumulation, self.step_rules, self.config.train.seed,
                                grad_fn=self.grad_fn, gather=self.gather, reducer=reducer,
-                               guard=self.guard, zero=self.sharded_update, master=self.master)
+                               guard=self.guard, zero=self.sharded_update, master=self.master,
+                               sum_in_backward=self.sum_in_backward)
         return self._compile(step.lower(self.layout.abstract, batch))
 
     def _compile(self, lowered: Any) -> Any:

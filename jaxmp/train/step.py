@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxmp import sharding
+from jaxmp import gradsum, sharding
 from jaxmp.compression.gather import WeightGather
 from jaxmp.compression.reduce import Reducer, per_replica, without_data
 from jaxmp.loss import LossFn, call_loss, split_loss
@@ -56,7 +56,8 @@ def step_key(seed: int, step: jax.Array | int, stream: int = _TRAIN_STREAM) -> j
 
 def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
                  rules: Sequence = sharding.DEFAULT_RULES, gather: WeightGather | None = None,
-                 keep_weight: bool = False, wide_grads: bool = False) -> Callable:
+                 keep_weight: bool = False, wide_grads: bool = False,
+                 sum_in_backward: bool = False) -> Callable:
     """``(params, rest, batch, key=None) -> (loss, grads, rest, aux)``, averaged over
     microbatches (microbatch j uses ``fold_in(key, j)``).
 
@@ -65,29 +66,59 @@ def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
     (``keep_weight``: the total stays in ``aux["weight"]``). ``gather``: fsdp weights are
     gathered in a narrower dtype (:mod:`jaxmp.compression.gather`). Microbatch gradients
     are summed in float32 (at least); ``wide_grads`` returns that sum as is (master weights
-    update in float32), else in each param's dtype.
+    update in float32), else in each param's dtype. ``sum_in_backward``: a layer stack run by
+    :func:`jaxmp.gradsum.scan_layers` adds each layer's gradient into the float32 sum inside
+    the backward pass (no whole microbatch gradient beside the sum; same values).
     """
     graphdef, mesh = layout.graphdef, layout.mesh
 
-    def loss_of(params: Any, rest: Any, batch: dict, key: jax.Array, weighted: bool = True
-                ) -> tuple[jax.Array, tuple]:
+    def loss_of(params: Any, rest: Any, batch: dict, key: jax.Array, weighted: bool = True,
+                tokens: list | None = None) -> tuple[jax.Array, tuple]:
         if gather is not None:
             params = gather.prepare(params)
         model = nnx.merge(graphdef, params, rest, copy=True)
         rows = int(jax.tree.leaves(batch)[0].shape[0])
         batch = pin_batch(batch, rows, mesh, rules)
-        with pinned_layers(model, rows, mesh, rules), sharding.param_gathering(gather):
+        # tokens: per param leaf, the float32 running sum's stand-in (jaxmp.gradsum), keyed by
+        # the leaf the model sees (after the gather's cast)
+        seen = jax.tree.leaves(params)
+        taps = {} if tokens is None else {id(p): t for p, t in zip(seen, tokens, strict=True)}
+        with pinned_layers(model, rows, mesh, rules), sharding.param_gathering(gather), \
+                gradsum.summing_into(taps) as carried:
             loss, aux = split_loss(call_loss(loss_fn, model, batch, key))
         weight = aux.pop("weight", jnp.float32(1.0))
         _, _, new_rest = nnx.split(model, nnx.Param, ...)
-        return (loss * weight if weighted else loss), (weight, new_rest, aux)
+        out = None if tokens is None else [carried.get(id(p)) for p in seen]
+        return (loss * weight if weighted else loss), (weight, new_rest, aux, out)
 
     value_and_grad = jax.value_and_grad(loss_of, has_aux=True)
 
     def micro(params: Any, rest: Any, batch: dict, key: jax.Array, weighted: bool = True
               ) -> tuple:
-        (wloss, (weight, rest, aux)), grads = value_and_grad(params, rest, batch, key, weighted)
+        (wloss, (weight, rest, aux, _)), grads = value_and_grad(params, rest, batch, key,
+                                                                weighted)
         return wloss, weight, grads, rest, aux
+
+    def micro_into(params: Any, rest: Any, batch: dict, key: jax.Array, sums: Any) -> tuple:
+        """:func:`micro` whose gradients come back added into ``sums`` (float32): the loss's
+        vector-Jacobian product with the sums as the cotangent of their tokens."""
+        treedef = jax.tree.structure(params)
+        tapped: set[int] = set()
+
+        def of(params: Any, tokens: list) -> tuple:
+            wloss, (weight, rest_, aux, carried) = loss_of(params, rest, batch, key, True,
+                                                           tokens)
+            tapped.update(k for k, c in enumerate(carried) if c is not None)
+            return (wloss, [t if c is None else c for c, t in zip(carried, tokens)]), \
+                (weight, rest_, aux)
+
+        sum_leaves = treedef.flatten_up_to(sums)
+        zeros = [jnp.zeros(s.shape, s.dtype) for s in sum_leaves]
+        (wloss, _), vjp, (weight, rest, aux) = jax.vjp(of, params, zeros, has_aux=True)
+        ct_params, ct_tokens = vjp((jnp.ones_like(wloss), sum_leaves))
+        grads = [t if k in tapped else t + g.astype(t.dtype)
+                 for k, (g, t) in enumerate(zip(treedef.flatten_up_to(ct_params), ct_tokens))]
+        return wloss, weight, jax.tree.unflatten(treedef, grads), rest, aux
 
     def grad_fn(params: Any, rest: Any, batch: dict, key: jax.Array | None = None) -> tuple:
         key = jax.random.key(0) if key is None else key
@@ -96,7 +127,8 @@ def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
                 loss, _, grads, rest, aux = micro(params, rest, batch, key, False)  # the grads)
                 return loss, grads, rest, aux
             wloss, weight, grads, rest, aux = _accumulate(micro, params, rest, batch, key,
-                                                          grad_accum)
+                                                          grad_accum,
+                                                          micro_into if sum_in_backward else None)
             scale = 1.0 / jnp.maximum(weight, 1e-12)
             grads = jax.tree.map(lambda g, p: g * scale if wide_grads else
                                  (g * scale).astype(p.dtype), grads, params)
@@ -106,11 +138,12 @@ def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
 
 
 def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, key: jax.Array,
-                k: int) -> tuple:
+                k: int, micro_into: Callable | None = None) -> tuple:
     """Sum weighted losses and gradients over k microbatches with ``lax.scan``.
 
     Microbatch j takes rows j, j+k, j+2k, ... so that every device keeps contributing to every
-    microbatch (the batch dim is sharded in contiguous blocks).
+    microbatch (the batch dim is sharded in contiguous blocks). ``micro_into`` (the sum in,
+    the sum out) adds inside the backward pass instead of after it.
     """
 
     def split(x: jax.Array) -> jax.Array:
@@ -127,8 +160,12 @@ def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, key: jax.A
     def body(carry: tuple, xs: tuple) -> tuple:
         loss_sum, w_sum, g_sum, rest = carry
         mb, j = xs
-        wloss, weight, grads, rest, aux = micro(params, rest, mb, jax.random.fold_in(key, j))
-        g_sum = jax.tree.map(jnp.add, g_sum, grads)
+        mb_key = jax.random.fold_in(key, j)
+        if micro_into is not None:
+            wloss, weight, g_sum, rest, aux = micro_into(params, rest, mb, mb_key, g_sum)
+        else:
+            wloss, weight, grads, rest, aux = micro(params, rest, mb, mb_key)
+            g_sum = jax.tree.map(jnp.add, g_sum, grads)
         return (loss_sum + wloss, w_sum + weight, g_sum, rest), aux
 
     init = (jnp.float32(0.0), jnp.float32(0.0), zeros, rest)
@@ -143,7 +180,8 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
                     gather: WeightGather | None = None,
                     guard: NonFiniteGuard | None = None,
                     zero: ShardedUpdate | None = None,
-                    master: MasterWeights | None = None) -> Callable:
+                    master: MasterWeights | None = None,
+                    sum_in_backward: bool = False) -> Callable:
     """Return the jitted ``step(state, batch) -> (state, metrics)`` with donated state.
 
     ``grad_fn`` replaces the plain gradient (e.g. the pipeline executor's, same contract; built
@@ -155,15 +193,18 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
     optimizer state must be sharded so: :func:`jaxmp.train.zero.shard_state`). ``master``:
     the state's params are a float32 master of the model's 16-bit params
     (:mod:`jaxmp.train.master`): the model computes with their cast, the optimizer updates
-    the master (on its data slices when the master is cut over data).
+    the master (on its data slices when the master is cut over data). ``sum_in_backward``:
+    microbatch gradients of scanned layer stacks are added into the float32 sum inside the
+    backward pass (:mod:`jaxmp.gradsum`).
     """
     wide = master is not None
     if reducer is None:
         grad_fn = grad_fn or make_grad_fn(layout, loss_fn, grad_accum, rules, gather,
-                                          wide_grads=wide)
+                                          wide_grads=wide, sum_in_backward=sum_in_backward)
     else:
         grad_fn = per_replica(grad_fn or make_grad_fn(layout, loss_fn, grad_accum,
-                                                      without_data(rules), gather, True, wide),
+                                                      without_data(rules), gather, True, wide,
+                                                      sum_in_backward),
                               layout.mesh, master.compute_shardings if wide
                               else layout.shardings.params)
 

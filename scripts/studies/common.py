@@ -116,3 +116,24 @@ def evict(path: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def add_cpu_or_gpu(p: argparse.ArgumentParser, default: str = "cpu") -> None:
+    """The ``part`` argument of the byte studies: ``cpu`` (8 devices) or ``gpu`` (8 deviceless
+    H100s)."""
+    p.add_argument("part", nargs="?", default=default, choices=["cpu", "gpu"],
+                   help="cpu: 8 devices; gpu: 8 deviceless H100s (default %(default)s)")
+
+
+def eight_devices(args: argparse.Namespace) -> list:
+    """8 devices to compile for: simulated CPUs, or (``part = gpu``) 8 deviceless H100s with
+    the CUDA plugin kept off any driver and the persistent cache off."""
+    if args.part != "gpu":
+        return devices(args, at_least=8)[:8]
+    from jaxmp._util.env import use_cpu
+
+    use_cpu()  # the CUDA plugin compiles for absent GPUs; it must not look for a driver
+    from jaxmp.topology import gpu_topology, without_persistent_cache
+
+    without_persistent_cache()
+    return list(gpu_topology(8, "H100").devices)

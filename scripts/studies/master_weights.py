@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from studies.common import devices
+from studies.common import add_cpu_or_gpu, eight_devices
 
 DOC = "docs/benchmarks.md"
 DEVICES = True  # cpu runs on 8 of them; gpu compiles for 8 deviceless H100s instead
@@ -34,27 +34,17 @@ VARIANTS = {"float32 params": ["model.param_dtype=float32", "train.optimizer_sha
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("part", nargs="?", default="cpu", choices=["cpu", "gpu"],
-                   help="cpu: 8 devices; gpu: 8 deviceless H100s (default %(default)s)")
+    add_cpu_or_gpu(p, "cpu")
 
 
 def run(args: argparse.Namespace) -> int:
+    devs = eight_devices(args)
     gpu = args.part == "gpu"
-    if gpu:
-        from jaxmp._util.env import use_cpu
-
-        use_cpu()  # the CUDA plugin compiles for absent GPUs; it must not look for a driver
     import jaxmp
     from jaxmp._util.fmt import fmt_bytes
     from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
     from jaxmp.tools.measure import measure_step
 
-    devs = [] if gpu else devices(args, at_least=8)[:8]
-    if gpu:
-        from jaxmp.topology import gpu_topology, without_persistent_cache
-
-        without_persistent_cache()
-        devs = list(gpu_topology(8, "H100").devices)
     print("| layout | params | argument bytes (predicted) | temporary bytes (predicted) | "
           "collective bytes (predicted) |\n|---|---|---|---|---|")
     for mesh in MESHES:

@@ -5,9 +5,11 @@ a ``conditional``'s branches are all charged, as if each ran (the HLO text holds
 any backend). One runs per execution; :func:`one_branch_bytes` charges each conditional its
 most expensive branch instead — what any one device can send at most. The pipeline executor's
 tick loop is the case that matters: a tick runs a forward or not, a stashed or a folded
-backward. That static bound still charges every tick with a forward and a backward, including
-a device's idle (bubble) ticks, and every device with the work of the busiest; what devices
-*execute* is measured from a run (:mod:`jaxmp.hlo.executed`).
+backward. That static bound charges every tick with a forward and a backward, including a
+device's idle (bubble) ticks; given the schedule's busy share of ticks (``tick_busy``), the
+ticks' conditionals are charged on that share only — the true count of a device that runs
+every tick's largest branch when busy (what devices *execute* is also measured from a run:
+:mod:`jaxmp.hlo.executed`).
 
 ``memory_analysis()`` needs no such correction: buffer assignment shares the branches' buffers
 (a conditional's temporaries are its largest branch's; checked on the CPU backend).
@@ -25,14 +27,25 @@ def _hlo_text(obj: Any) -> str:
     return obj if isinstance(obj, str) else obj.as_text()
 
 
-def one_branch_bytes(stats: CollectiveStats, compiled_or_text: Any) -> dict[str, float]:
+def one_branch_bytes(stats: CollectiveStats, compiled_or_text: Any,
+                     tick_busy: float | None = None) -> dict[str, float]:
     """``stats``' bytes by kind with each conditional charged its largest branch (by total
-    bytes), per execution of the program. ``stats`` must come from the same program."""
+    bytes), per execution of the program. ``stats`` must come from the same program.
+
+    ``tick_busy`` (a pipelined program): the fraction of a tick loop's iterations on which a
+    tick's conditionals run their work — ``M·V`` forwards and as many backwards per device in
+    ``T`` ticks (:func:`tick_busy_fraction`). A conditional beside the ticks' shift (in a
+    computation that holds a collective-permute: the tick loop's body, or the iterations XLA
+    peels off it) is charged its largest branch that often, not on every tick: the count a
+    device executes, not the static bound."""
     mod = HloModule(_hlo_text(compiled_or_text))
     own: dict[str, Counter] = {}
     for op in stats.ops:  # per execution of the op's computation
         own.setdefault(op.computation, Counter())[op.kind] += op.sent_bytes
     memo: dict[str, Counter] = {}
+    ticking = {comp for comp, instrs in mod.comps.items() if any(
+        ins.opcode in ("collective-permute", "collective-permute-start")
+        for ins in instrs.values())}
 
     def total(comp: str, depth: int = 0) -> Counter:
         if comp in memo:
@@ -48,8 +61,11 @@ def one_branch_bytes(stats: CollectiveStats, compiled_or_text: Any) -> dict[str,
             if not callees:
                 continue
             if ins.opcode == "conditional":
-                out.update(max((total(c, depth + 1) for c in callees),
-                               key=lambda k: sum(k.values())))
+                most = max((total(c, depth + 1) for c in callees),
+                           key=lambda k: sum(k.values()))
+                share = tick_busy if tick_busy is not None and comp in ticking else 1.0
+                for kind, b in most.items():
+                    out[kind] += share * b
                 continue
             trips = mod.trip_count(comp, ins) if ins.opcode == "while" else None
             for attr, callee in ins.callees:
@@ -65,3 +81,9 @@ def one_branch_bytes(stats: CollectiveStats, compiled_or_text: Any) -> dict[str,
         return dict(stats.bytes_by_kind)
     found = total(mod.entry)
     return {k: float(found.get(k, 0.0)) for k in stats.bytes_by_kind}
+
+
+def tick_busy_fraction(microbatches: int, virtual: int, ticks: int) -> float:
+    """The share of a pipeline's ticks on which a device runs a forward (or a backward):
+    ``M·V`` of ``T`` (every device runs each of its chunks once per microbatch each way)."""
+    return min(1.0, microbatches * virtual / ticks) if ticks else 1.0

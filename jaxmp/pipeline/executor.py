@@ -96,12 +96,16 @@ class PipelineExecutor:
         self.train_chunk = Chunk(graphdef, spec, split.max_blocks, last)
         self.eval_chunk = Chunk(graphdef, spec, split.max_blocks, last, train=False)
 
-    def grad_fn(self, rules: Sequence) -> Callable:
+    def grad_fn(self, rules: Sequence, gather: Any = None) -> Callable:
         """``(params, rest, batch, key) -> (loss, grads, rest, aux)``: the contract of
-        :func:`jaxmp.train.step.make_grad_fn` (token-weighted mean loss)."""
+        :func:`jaxmp.train.step.make_grad_fn` (token-weighted mean loss). ``gather``: the
+        step's :class:`~jaxmp.compression.gather.WeightGather` (fsdp shards cast before they
+        are gathered, as the plain step does)."""
 
         def grad_fn(params: Any, rest: Any, batch: dict, key: jax.Array | None = None) -> tuple:
             del key  # the blocks draw no randomness under stages; see docs/pipeline.md
+            if gather is not None:
+                params = gather.prepare(params)
             stack_grads, shared_grads, loss_sum, weight_sum = self._on_stages(
                 self._train_on_device, (P(STAGE), P(), P(), P()), params, rest, batch, rules)
             scale = 1.0 / jnp.maximum(weight_sum, 1e-12)
@@ -157,12 +161,13 @@ class _DeviceTicks:
         self.stages, self.virtual = executor.schedule.stages, executor.schedule.virtual
         self.device = jax.lax.axis_index(STAGE)
         lmax = executor.split.max_blocks
-        self.stack = jax.tree.map(lambda a: a.reshape((self.virtual, lmax) + a.shape[2:]), stack)
-        self.shared, self.rest, self.microbatches = shared, rest, microbatches
         # Each stack leaf's logical names for one chunk's rows [Lmax, ...] (stored ("stage",
         # "layers", ...)): gradients are pinned to them, see `like_params`.
         self.chunk_names = [("layers",) + tuple(names)[2:] if names else None
                             for names in leaf_names(stack)]
+        self.stack = resident_stack(jax.tree.map(
+            lambda a: a.reshape((self.virtual, lmax) + a.shape[2:]), stack), self.chunk_names)
+        self.shared, self.rest, self.microbatches = shared, rest, microbatches
         activation = chunk.activation(self.params(0), self.microbatch(0), rest)
         self.zero_activation = jnp.zeros(activation.shape, activation.dtype)  # A
 
@@ -356,6 +361,19 @@ class _TrainingTicks(_DeviceTicks):
         stack_grads = jax.tree.map(lambda g: g.reshape((1, -1) + g.shape[2:]), state.stack_grads)
         return (stack_grads, _sum_over_stages(state.shared_grads, self.executor.mesh),
                 jax.lax.psum(state.loss_sum, STAGE), jax.lax.psum(state.weight_sum, STAGE))
+
+
+def resident_stack(stack: Any, chunk_names: list) -> Any:
+    """The device's stack ``[V, Lmax, ...]`` gathered over fsdp once per step, before the tick
+    loop: every tick's forward and backward read it. Gathered where a chunk runs, the weights
+    would move inside the tick's ``lax.cond``, where XLA's scheduler overlaps no compute with
+    them, on every tick that runs one (measured: docs/planner.md §7). The memory this holds:
+    :func:`jaxmp.plan.pipeline.resident_weight_bytes`."""
+    flat, treedef = jax.tree.flatten(stack)
+    if len(flat) != len(chunk_names):
+        return stack
+    return treedef.unflatten([sharding.gathered(x, (None,) + tuple(names)) if names else x
+                              for x, names in zip(flat, chunk_names)])
 
 
 def _sum_over_stages(tree: Any, mesh: Any) -> Any:

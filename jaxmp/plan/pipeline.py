@@ -109,6 +109,22 @@ def _terms(ctx: Context, remat: str, data: int, fsdp: int, tensor: int,
     return ctx.cached(("terms", remat, data, fsdp, tensor, microbatches, sp), make)
 
 
+def resident_weight_bytes(blk: dict[str, float], fsdp: int, rows: int) -> float:
+    """The device's stack rows gathered over fsdp once per step and held through the tick loop
+    (:func:`jaxmp.pipeline.executor.resident_stack`), in the gathers' wire dtype."""
+    return rows * blk["first_gather_bytes"] * fsdp / (fsdp - 1) if fsdp > 1 else 0.0
+
+
+def fsdp_step_bytes(ch: Chunks, prefix: np.ndarray, blk: dict[str, float], stages: int,
+                    microbatches: int, rows: int) -> float:
+    """fsdp bytes of the busiest device per step: the stack's rows gathered once
+    (:func:`resident_weight_bytes`), not per microbatch-chunk; the gradient reduce-scatters
+    and the shared params' collectives per microbatch."""
+    per_microbatch = ch.busiest(prefix, stages) - ch.busiest_blocks * blk["gathers"] * blk[
+        "first_gather_bytes"]
+    return microbatches * per_microbatch + rows * blk["first_gather_bytes"]
+
+
 def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     """Predict ``layout`` (``stage`` > 1) from its split; the schedule validates itself (bad
     input raises)."""
@@ -153,7 +169,8 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
                (lmax * blk["saved"] if schedule.folds_last else 0.0) + k.post_work}
     what = max(options, key=options.get)
     chunk_grads = lmax * blk["param_local"]
-    working = options[what] + chunk_grads
+    resident = resident_weight_bytes(blk, fsdp, virtual * lmax)
+    working = options[what] + chunk_grads + resident
     args = m.stored + opt + batch + STEP_STATE_BYTES
     total = args + grads + acts + working
 
@@ -164,7 +181,8 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     compute, bubble = work_units * float(chunk_compute[slow]), (stages - 1) * pace
     comm = dict.fromkeys(AXES, 0.0)
     comm["tensor"] = microbatches * ch.busiest(prefix["tensor_bytes"], stages)
-    comm["fsdp"] = microbatches * ch.busiest(prefix["fsdp_bytes"], stages)
+    comm["fsdp"] = fsdp_step_bytes(ch, prefix["fsdp_bytes"], blk, stages, microbatches,
+                                   virtual * lmax)
     if data > 1:  # once per step, after the schedule (jaxmp.compression.reduce), encoded per
         # compression.gradients: the device's chunks of the stack and the shared params
         comm["data"] = ctx.grad_bytes_factor * m.data_factor(microbatches, zero_divisor(
@@ -189,7 +207,8 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
         bubble_s=bubble, comm_s=comm_s, comm_bytes=comm, step_time_s=step,
         stages=list(zip(ch.starts.tolist(), ch.ends.tolist())), stage_time_s=busy.tolist(),
         comm_hidden_s=hidden,
-        working_parts={what: options[what], "a chunk's parameter gradients": chunk_grads},
+        working_parts={what: options[what], "a chunk's parameter gradients": chunk_grads,
+                       "the stack's rows gathered over fsdp": resident},
         activation_parts={f"residuals: {slots.res + 1} slots x {lmax} block(s)": stash,
                           "a forward's residuals before their slot": in_transit,
                           "boundary buffers (activations, cotangents)": boundary},

@@ -11,8 +11,8 @@
 Research code uses the same names through the facade ``from jaxmp import rules``.
 """
 
-from jaxmp.sharding.activations import (activation_sharding, constrain, current_mesh, named,
-                                        recording_names)
+from jaxmp.sharding.activations import (activation_sharding, constrain, current_mesh, gathered,
+                                        named, recording_names)
 from jaxmp.sharding.lint import LintReport, lint
 from jaxmp.sharding.params import constrain_param, param_gathering
 from jaxmp.sharding.resolve import (DEFAULT_RULES, Axes, Fallback, Names, PathRule, Resolution,
@@ -25,7 +25,7 @@ from jaxmp.sharding.tree import (METADATA_KEYS, Leaf, abstract, logical_names, n
 
 __all__ = ["DEFAULT_RULES", "METADATA_KEYS", "Axes", "Fallback", "Leaf", "LintReport", "Names",
            "PathRule", "Resolution", "Rule", "abstract", "activation_sharding", "constrain",
-           "constrain_param", "current_mesh", "fit_names", "lint", "logical_names",
+           "constrain_param", "current_mesh", "fit_names", "gathered", "lint", "logical_names",
            "logical_spec", "named", "names_of", "normalize_rules", "normalize_spec",
            "param_gathering", "recording_names", "resolve", "resolve_leaves",
            "sequence_parallel_rules", "shardings_for", "shards_sequence", "specs_for",

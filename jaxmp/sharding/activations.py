@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxmp.sharding.resolve import DEFAULT_RULES, Rule, logical_spec, normalize_rules
 
@@ -76,3 +77,24 @@ def constrain(x: Any, names: Sequence[str | None]) -> Any:
     mesh, rules = active
     spec = logical_spec(names, np.shape(x), mesh, rules)
     return jax.lax.with_sharding_constraint(x, named(mesh, spec))
+
+
+def _without(entry: Any, axis: str) -> Any:
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    kept = tuple(a for a in axes if a != axis)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def gathered(x: Any, names: Sequence[str | None], axis: str = "fsdp") -> Any:
+    """``x`` constrained to its logical names' sharding less mesh axis ``axis``: the partitioner
+    gathers it over ``axis`` here (a weight first used inside a ``lax.cond`` is otherwise
+    gathered inside the branch, where XLA's scheduler overlaps no compute with the transfer:
+    the pipeline's ticks). Its transpose gathers the cotangent too: pin gradients to the
+    weight's own names after it. Identity outside :func:`activation_sharding`."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = logical_spec(names, np.shape(x), mesh, rules)
+    return jax.lax.with_sharding_constraint(
+        x, named(mesh, P(*(_without(e, axis) for e in spec))))

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from jaxmp.hlo import CollectiveStats, collective_stats
-from jaxmp.hlo.branches import one_branch_bytes
+from jaxmp.hlo.branches import one_branch_bytes, tick_busy_fraction
 from jaxmp.hlo.executed import executed_bytes, module_name, trace_counts
 from jaxmp.train import Trainer
 
@@ -40,8 +40,9 @@ class Measured:
 
     @property
     def collective_bytes(self) -> float:
-        """Bytes one device sends per step at most, statically: every conditional charged
-        its largest branch (equal to the plain count for programs without one)."""
+        """Bytes one device sends per step: every conditional charged its largest branch
+        (equal to the plain count for programs without one); a pipeline tick's, on the ticks
+        that run it (:func:`jaxmp.hlo.branches.one_branch_bytes`)."""
         return sum(self.one_branch.values())
 
 
@@ -57,9 +58,13 @@ def measure_step(trainer: Trainer, batch: Any = None) -> Measured:
     compiled = trainer.compile(batch)
     mem = compiled.memory_analysis()
     stats = collective_stats(compiled)
+    executor, busy = trainer.executor, None
+    if executor is not None:  # the ticks' conditionals: charged on the ticks that run them
+        s = executor.schedule
+        busy = tick_busy_fraction(s.microbatches, s.virtual, executor.program.ticks)
     return Measured(argument_bytes=float(mem.argument_size_in_bytes),
                     temp_bytes=float(mem.temp_size_in_bytes), collectives=stats,
-                    one_branch=one_branch_bytes(stats, compiled), compiled=compiled)
+                    one_branch=one_branch_bytes(stats, compiled, busy), compiled=compiled)
 
 
 def executed_collectives(measured: Measured, state: Any, batch: Any

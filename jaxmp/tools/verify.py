@@ -7,9 +7,9 @@ so the check covers what ``jaxmp train`` would run — the pipeline executor too
 with stages. On a machine without accelerators the devices are simulated CPU devices: the
 process must have been started with enough of them (``--simulate-devices``). Collective bytes
 are counted statically with each conditional charged its largest branch
-(:mod:`jaxmp.hlo.branches`); for a pipeline that still charges every tick with a forward and a
-backward, bubbles included, so the compiled figure is an upper bound of what the plan predicts
-(what the busiest device executes; ``jaxmp bench`` measures that from a run).
+(:mod:`jaxmp.hlo.branches`); a pipeline's tick conditionals on the ``M·V`` of ``T`` ticks that
+run them (bubble ticks run none): what the busiest device executes, which ``jaxmp bench`` also
+measures from a run.
 """
 
 from __future__ import annotations

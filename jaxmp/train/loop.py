@@ -170,7 +170,8 @@ class Trainer:
         self.executor = None if self.stages is None else PipelineExecutor(
             self.layout.graphdef, self.mesh, pipeline, self.stages.schedule, self.stages.split)
         self.grad_fn = None if self.executor is None else self.executor.grad_fn(
-            without_data(self.step_rules) if self.reducer is not None else self.step_rules)
+            without_data(self.step_rules) if self.reducer is not None else self.step_rules,
+            self.gather)
         # microbatch gradients of the layer stack summed inside the backward (jaxmp.gradsum);
         # the pipeline executor runs its own microbatches
         self.sum_in_backward = self.accumulation > 1 and self.executor is None

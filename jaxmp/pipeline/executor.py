@@ -37,38 +37,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import sharding
-from jaxmp.pipeline.chunk import Chunk, PipelineSpec, join_stack, leaf_names, split_stack
+from jaxmp.pipeline.chunk import Chunk, PipelineSpec, join_stack, split_stack
 from jaxmp.pipeline.residuals import stash_layout, stash_policy, vjp_without_params
 from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import StageSplit
+from jaxmp.pipeline.ticks import PROGRAM_COLUMNS, STAGE, DeviceTicks, TickInputs, buffer_slot
 
-STAGE = "stage"
-
-
-class TickInputs(NamedTuple):
-    """One device's row of the schedule's :class:`~jaxmp.pipeline.schedule.Program` at one tick
-    (int32 scalars, -1: none). Chunks are local indices ``v``: global chunk ``v·P + device``."""
-
-    forward_microbatch: Any
-    forward_chunk: Any
-    forward_input_slot: Any  # activation slot the forward reads (-1: chunk 0 reads the batch)
-    forward_stash_slot: Any  # residual slot it fills
-    backward_microbatch: Any
-    backward_chunk: Any
-    backward_stash_slot: Any  # residual slot the backward reads (-1: the fused last chunk)
-    backward_input_slot: Any  # activation slot the fused last chunk reads
-    backward_cotangent_slot: Any  # cotangent slot it reads (-1: the last chunk, seeded by loss)
-    arriving_activation_slot: Any  # takes the activation device d - 1 sends after the tick
-    arriving_cotangent_slot: Any  # takes the cotangent device d + 1 sends after the tick
-
-
-_PROGRAM_COLUMNS = TickInputs(*"""f_mb f_chunk f_act f_res b_mb b_chunk b_res b_act b_ct recv_act
-recv_ct""".split())
-
-
-def _slot(index: jax.Array, slots: int) -> jax.Array:
-    """A buffer index: -1 (nothing to read or keep) is the spare slot past the last."""
-    return jnp.where(index >= 0, index, slots)
 
 
 def split_microbatches(x: jax.Array, microbatches: int, mesh: Any, rules: Sequence) -> jax.Array:
@@ -90,7 +64,7 @@ class PipelineExecutor:
         self.mesh, self.spec, self.schedule, self.split = mesh, spec, schedule, split
         self.program = schedule.program()
         self.tables = TickInputs(*(jnp.asarray(getattr(self.program, column))  # [ticks, P]
-                                   for column in _PROGRAM_COLUMNS))
+                                   for column in PROGRAM_COLUMNS))
         self.blocks_per_chunk = jnp.asarray(split.counts)  # [P, V]
         last = schedule.chunks - 1
         self.train_chunk = Chunk(graphdef, spec, split.max_blocks, last)
@@ -152,56 +126,6 @@ class PipelineExecutor:
         return jax.lax.psum(final.loss_sum, STAGE), jax.lax.psum(final.weight_sum, STAGE)
 
 
-class _DeviceTicks:
-    """What one device holds inside the ``shard_map``, for training and evaluation alike."""
-
-    def __init__(self, executor: PipelineExecutor, chunk: Chunk, stack: Any, shared: Any,
-                 rest: Any, microbatches: dict):
-        self.executor, self.chunk = executor, chunk
-        self.stages, self.virtual = executor.schedule.stages, executor.schedule.virtual
-        self.device = jax.lax.axis_index(STAGE)
-        lmax = executor.split.max_blocks
-        # Each stack leaf's logical names for one chunk's rows [Lmax, ...] (stored ("stage",
-        # "layers", ...)): gradients are pinned to them, see `like_params`.
-        self.chunk_names = [("layers",) + tuple(names)[2:] if names else None
-                            for names in leaf_names(stack)]
-        self.stack = resident_stack(jax.tree.map(
-            lambda a: a.reshape((self.virtual, lmax) + a.shape[2:]), stack), self.chunk_names)
-        self.shared, self.rest, self.microbatches = shared, rest, microbatches
-        activation = chunk.activation(self.params(0), self.microbatch(0), rest)
-        self.zero_activation = jnp.zeros(activation.shape, activation.dtype)  # A
-
-    def params(self, local_chunk: Any) -> tuple:
-        """``(shared, the chunk's stack rows [Lmax, ...])``."""
-        return self.shared, jax.tree.map(lambda a: a[local_chunk], self.stack)
-
-    def like_params(self, chunk_tree: Any, lead: tuple = ()) -> Any:
-        """``chunk_tree`` (shaped like one chunk's stack rows, after ``lead`` dims) constrained
-        to the parameters' sharding. Without it, the partitioner leaves a weight gradient made
-        inside a tick's ``lax.cond`` unsharded and all-reduces it over fsdp in full (GPU-
-        compiled), instead of reduce-scattering it as the layer loop outside a pipeline does."""
-        flat, treedef = jax.tree.flatten(chunk_tree)
-        if len(flat) != len(self.chunk_names):
-            return chunk_tree
-        return treedef.unflatten([
-            sharding.constrain(x, (None,) * len(lead) + names) if names else x
-            for x, names in zip(flat, self.chunk_names)])
-
-    def microbatch(self, index: Any) -> dict:
-        return jax.tree.map(lambda a: a[index], self.microbatches)
-
-    def global_chunk(self, local_chunk: Any) -> jax.Array:
-        return local_chunk * self.stages + self.device
-
-    def n_blocks(self, local_chunk: Any) -> jax.Array:
-        return self.executor.blocks_per_chunk[self.device, local_chunk]
-
-    def send(self, x: jax.Array, step: int) -> jax.Array:
-        """``x`` from every device to device ``d + step`` (around the ring)."""
-        return jax.lax.ppermute(x, STAGE, [(i, (i + step) % self.stages)
-                                           for i in range(self.stages)])
-
-
 class _Training(NamedTuple):
     """The scan carry of one device's training ticks; every buffer has a spare last slot."""
 
@@ -214,7 +138,7 @@ class _Training(NamedTuple):
     weight_sum: jax.Array
 
 
-class _TrainingTicks(_DeviceTicks):
+class _TrainingTicks(DeviceTicks):
     """One device's run of the schedule's tables: forward, backward and shift per tick."""
 
     def __init__(self, executor: PipelineExecutor, stack: Any, shared: Any, rest: Any,
@@ -277,10 +201,10 @@ class _TrainingTicks(_DeviceTicks):
             return self.zero_activation, zero, zero, [jnp.zeros(a.shape, a.dtype)
                                                       for a in self.stash.avals]
 
-        x = state.activations[_slot(inputs.forward_input_slot, self.program.act_slots)]
+        x = state.activations[buffer_slot(inputs.forward_input_slot, self.program.act_slots)]
         y, loss, weight, kept = jax.lax.cond(inputs.forward_microbatch >= 0, run, idle, x)
-        slot = _slot(inputs.forward_stash_slot, self.program.res_slots)
-        residuals = [buffer.at[slot].set(leaf) for buffer, leaf in zip(state.residuals, kept)]
+        index = buffer_slot(inputs.forward_stash_slot, self.program.res_slots)
+        residuals = [buffer.at[index].set(leaf) for buffer, leaf in zip(state.residuals, kept)]
         return state._replace(residuals=residuals, loss_sum=state.loss_sum + loss,
                               weight_sum=state.weight_sum + weight), y
 
@@ -320,11 +244,11 @@ class _TrainingTicks(_DeviceTicks):
         ``backward_stash_slot`` and the output's cotangent in ``backward_cotangent_slot`` — or,
         for GPipe's last chunk, the loss's seed 1."""
         program = self.program
-        kept = [buffer[_slot(inputs.backward_stash_slot, program.res_slots)]
+        kept = [buffer[buffer_slot(inputs.backward_stash_slot, program.res_slots)]
                 for buffer in state.residuals]
         is_last = self.global_chunk(inputs.backward_chunk) == self.chunk.last_chunk
         output_cotangent = jnp.where(is_last, 0, state.cotangents[
-            _slot(inputs.backward_cotangent_slot, program.ct_slots)])
+            buffer_slot(inputs.backward_cotangent_slot, program.ct_slots)])
         seed = jnp.where(is_last, 1.0, 0.0).astype(jnp.float32)
         grads, x_cotangent = self.stash.vjp(kept, params)((output_cotangent, seed, jnp.float32(0)))
         return grads, x_cotangent, jnp.float32(0), jnp.float32(0)
@@ -333,7 +257,7 @@ class _TrainingTicks(_DeviceTicks):
         """``(grads of params, cotangent of x A, loss · weight, weight)``: the last chunk's
         forward, loss and backward at once, on the input waiting in ``backward_input_slot``."""
         local = inputs.backward_chunk
-        x = state.activations[_slot(inputs.backward_input_slot, self.program.act_slots)]
+        x = state.activations[buffer_slot(inputs.backward_input_slot, self.program.act_slots)]
         microbatch = self.microbatch(inputs.backward_microbatch)
         (loss, weight), vjp = jax.vjp(
             lambda params, x: self.chunk.forward(params, x, microbatch, self.rest,
@@ -349,10 +273,10 @@ class _TrainingTicks(_DeviceTicks):
         program = self.program
         arrived = self.send(output, +1)
         activations = state.activations.at[
-            _slot(inputs.arriving_activation_slot, program.act_slots)].set(arrived)
+            buffer_slot(inputs.arriving_activation_slot, program.act_slots)].set(arrived)
         returned = self.send(input_cotangent, -1)
         cotangents = state.cotangents.at[
-            _slot(inputs.arriving_cotangent_slot, program.ct_slots)].set(returned)
+            buffer_slot(inputs.arriving_cotangent_slot, program.ct_slots)].set(returned)
         return state._replace(activations=activations, cotangents=cotangents)
 
     def results(self, state: _Training) -> tuple:
@@ -361,19 +285,6 @@ class _TrainingTicks(_DeviceTicks):
         stack_grads = jax.tree.map(lambda g: g.reshape((1, -1) + g.shape[2:]), state.stack_grads)
         return (stack_grads, _sum_over_stages(state.shared_grads, self.executor.mesh),
                 jax.lax.psum(state.loss_sum, STAGE), jax.lax.psum(state.weight_sum, STAGE))
-
-
-def resident_stack(stack: Any, chunk_names: list) -> Any:
-    """The device's stack ``[V, Lmax, ...]`` gathered over fsdp once per step, before the tick
-    loop: every tick's forward and backward read it. Gathered where a chunk runs, the weights
-    would move inside the tick's ``lax.cond``, where XLA's scheduler overlaps no compute with
-    them, on every tick that runs one (measured: docs/planner.md §7). The memory this holds:
-    :func:`jaxmp.plan.pipeline.resident_weight_bytes`."""
-    flat, treedef = jax.tree.flatten(stack)
-    if len(flat) != len(chunk_names):
-        return stack
-    return treedef.unflatten([sharding.gathered(x, (None,) + tuple(names)) if names else x
-                              for x, names in zip(flat, chunk_names)])
 
 
 def _sum_over_stages(tree: Any, mesh: Any) -> Any:
@@ -398,7 +309,7 @@ class _Evaluation(NamedTuple):
     weight_sum: jax.Array
 
 
-class _EvaluationTicks(_DeviceTicks):
+class _EvaluationTicks(DeviceTicks):
     """Forwards only, in eval mode, as a fill-drain over the chunks. Device ``d`` runs pass
     ``k = t - d`` at tick ``t`` (``0 <= k < V·M``): microbatch ``k mod M`` through its local
     chunk ``k div M``. So microbatch ``i`` reaches chunk ``c = v·P + d`` at tick ``v·M + i + d``:

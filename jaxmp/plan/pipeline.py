@@ -111,7 +111,7 @@ def _terms(ctx: Context, remat: str, data: int, fsdp: int, tensor: int,
 
 def resident_weight_bytes(blk: dict[str, float], fsdp: int, rows: int) -> float:
     """The device's stack rows gathered over fsdp once per step and held through the tick loop
-    (:func:`jaxmp.pipeline.executor.resident_stack`), in the gathers' wire dtype."""
+    (:func:`jaxmp.pipeline.ticks.resident_stack`), in the gathers' wire dtype."""
     return rows * blk["first_gather_bytes"] * fsdp / (fsdp - 1) if fsdp > 1 else 0.0
 
 

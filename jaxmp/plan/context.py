@@ -307,12 +307,17 @@ class Context:
     def sp_choices(self, sizes: Mapping[str, int], microbatches: int = 1) -> tuple[bool, ...]:
         """The sequence parallelism the search tries on a mesh of ``sizes``
         (:func:`jaxmp.plan.sequence.choices`); "auto" leaves it off in an accumulation loop
-        where the compiler does not keep it (``DeviceProfile.sequence_parallel_in_loops``)."""
+        where the compiler does not keep it (``DeviceProfile.sequence_parallel_in_loops``), and
+        on such a compiler inside pipeline stages too, whose tick loop's extra GPU collectives
+        are not modelled (the README's tiny example on 64 × H100: 12–25 MiB compiled against
+        4.1 predicted, docs/planner.md §7). An explicit ``true`` is built and predicted."""
         fsdp, tensor = int(sizes.get("fsdp", 1)), int(sizes.get("tensor", 1))
         every = all(self.shard(i, fsdp, tensor).tensor_weights
                     == self.shard(i, fsdp, tensor).n_matrices
                     for i in self.first if self.cost.layers[i].kind == "block")
-        if self.sequence_parallel == "auto" and not self.sp_kept(sizes, microbatches, True):
+        staged = int(sizes.get("stage", 1)) > 1 and not self.profile.sequence_parallel_in_loops
+        if self.sequence_parallel == "auto" and (
+                staged or not self.sp_kept(sizes, microbatches, True)):
             return (False,)
         return sequence_choices(self.sequence_parallel, tensor, self.seq_len, every)
 

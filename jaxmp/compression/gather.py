@@ -53,11 +53,6 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _without_fsdp(entry: Any) -> Any:
-    kept = tuple(a for a in _axes(entry) if a != FSDP)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
-
-
 def is_matrix(names: Sequence[str | None]) -> bool:
     """Whether a parameter with these logical names is a weight matrix (two or more dims
     besides a layer stack's): what a narrower gather casts; vectors move as stored."""
@@ -92,7 +87,7 @@ class WeightGather:
         if self.wire != "int8" or not split or not is_matrix(names):
             return x
         sharded = sharding.named(self.mesh, P(*spec))
-        gathered = sharding.named(self.mesh, P(*(_without_fsdp(e) for e in spec)))
+        gathered = sharding.named(self.mesh, sharding.spec_without(spec, FSDP))
         return _int8_gather(x, sharded, gathered, split, jnp.dtype(self.out_dtype))
 
     def prepare(self, params: Any) -> Any:

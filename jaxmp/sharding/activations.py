@@ -79,10 +79,15 @@ def constrain(x: Any, names: Sequence[str | None]) -> Any:
     return jax.lax.with_sharding_constraint(x, named(mesh, spec))
 
 
-def _without(entry: Any, axis: str) -> Any:
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    kept = tuple(a for a in axes if a != axis)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
+def spec_without(spec: Sequence[Any], axis: str) -> P:
+    """``spec`` (a PartitionSpec's entries) with mesh axis ``axis`` removed from every dim:
+    the sharding an array has once gathered over ``axis``."""
+    def without(entry: Any) -> Any:
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = tuple(a for a in axes if a != axis)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return P(*(without(e) for e in spec))
 
 
 def gathered(x: Any, names: Sequence[str | None], axis: str = "fsdp") -> Any:
@@ -96,5 +101,4 @@ def gathered(x: Any, names: Sequence[str | None], axis: str = "fsdp") -> Any:
         return x
     mesh, rules = active
     spec = logical_spec(names, np.shape(x), mesh, rules)
-    return jax.lax.with_sharding_constraint(
-        x, named(mesh, P(*(_without(e, axis) for e in spec))))
+    return jax.lax.with_sharding_constraint(x, named(mesh, spec_without(spec, axis)))

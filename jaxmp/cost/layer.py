@@ -127,24 +127,30 @@ def _vjp_program(call: LayerCall, policy: str, staged: bool = False
     return run, keep
 
 
-def _cotangents(call: LayerCall, arrays: list) -> list:
-    out = jax.eval_shape(_layer_fn(call)[0], call.params, call.rest, *arrays)
-    return [x for x in jax.tree.leaves(out) if jnp.issubdtype(x.dtype, jnp.inexact)]
+def _outputs(call: LayerCall, arrays: list) -> list:
+    """The abstract output leaves of the layer at ``arrays`` (traced once per batch size:
+    every policy's program shares them)."""
+    return jax.tree.leaves(jax.eval_shape(_layer_fn(call)[0], call.params, call.rest, *arrays))
 
 
-def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, staged: bool = False
-                    ) -> tuple[Any, list, list, Timeline]:
+def _cotangents(outputs: list) -> list:
+    return [x for x in outputs if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+
+def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, staged: bool = False,
+                    outputs: list | None = None) -> tuple[Any, list, list, Timeline]:
     """The traced program, the residuals it keeps, those that survive fusion, and the peak
-    bytes its backward pass needs beyond them (see :mod:`jaxmp.cost.liveness`)."""
+    bytes its backward pass needs beyond them (see :mod:`jaxmp.cost.liveness`);
+    ``outputs``: the layer's :func:`_outputs` at ``arrays``, if known."""
     run, keep = _vjp_program(call, policy, staged)
-    cts = _cotangents(call, arrays)
+    outputs = _outputs(call, arrays) if outputs is None else outputs
+    cts = _cotangents(outputs)
     with jax.disable_jit():  # inline jitted helpers: a flat program for the analyses
         jaxpr = jax.make_jaxpr(run)(call.params, call.rest, cts, *arrays)
     outvars, invars = jaxpr.jaxpr.outvars, jaxpr.jaxpr.invars
     residuals = [v for v, k in zip(outvars[len(outvars) - len(keep):], keep) if k]
     n_state = len(jax.tree.leaves((call.params, call.rest)))
-    n_out = len(jax.tree.leaves(jax.eval_shape(_layer_fn(call)[0], call.params, call.rest,
-                                               *arrays)))
+    n_out = len(outputs)
     n_pgrad = len(jax.tree.leaves(call.params))
     producers = {v: i for i, e in enumerate(jaxpr.jaxpr.eqns) for v in e.outvars}
     forward_end = 1 + max((producers[v] for v in outvars[:n_out]
@@ -160,14 +166,17 @@ def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, stage
 
 def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[str, Any]:
     _, arrays, _ = _layer_fn(call)
+    one_row = with_rows(arrays, rows, 1) if rows > 1 else arrays
+    outputs, outputs_one = _outputs(call, arrays), _outputs(call, one_row) if rows > 1 else None
     out: dict[str, Any] = {"saved": {}, "fused": {}, "recompute": {}, "transient": {},
                           "skipped": {}}
     totals: dict[str, float] = {}
     for policy in policies:
-        jaxpr, res_avals, fused, transient = _residual_avals(call, policy, arrays, rows)
+        jaxpr, res_avals, fused, transient = _residual_avals(call, policy, arrays, rows,
+                                                             outputs=outputs)
         if rows > 1:
             _, res_one, fused_one, transient_one = _residual_avals(
-                call, policy, with_rows(arrays, rows, 1), 1)
+                call, policy, one_row, 1, outputs=outputs_one)
         else:
             res_one = fused_one = None
             transient_one = transient
@@ -188,12 +197,12 @@ def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[s
         out["recompute"][policy] = max(0.0, totals[policy] - totals.get("none", totals[policy]))
     out["staged"] = {}
     if "none" in policies:  # what a pipeline's stash keeps of it (jaxmp.remat.stash_keeps)
-        res = _residual_avals(call, "none", arrays, rows, staged=True)[1]
-        one = _residual_avals(call, "none", with_rows(arrays, rows, 1), 1, staged=True)[1] \
-            if rows > 1 else None
+        res = _residual_avals(call, "none", arrays, rows, staged=True, outputs=outputs)[1]
+        one = _residual_avals(call, "none", one_row, 1, staged=True,
+                              outputs=outputs_one)[1] if rows > 1 else None
         out["staged"]["none"] = saved_from(res, one, rows)
     out["probe"] = (_layer_fn(call)[0], _vjp_program(call, "none")[0],
-                    (call.params, call.rest, _cotangents(call, arrays), *arrays))
+                    (call.params, call.rest, _cotangents(outputs), *arrays))
     return out
 
 

@@ -343,17 +343,13 @@ class Context:
 
     def _data_cuts(self, data: int, fsdp: int, tensor: int) -> bool:
         sizes = {"data": data, "stage": 1, "fsdp": fsdp, "tensor": tensor}
-        seen: set[tuple] = set()  # a stack's blocks share their leaves: each shape once
-        for lay in self.cost.layers:
-            for leaf in lay.params:
-                key = (leaf.names, leaf.shape)
-                if key in seen:
-                    continue
-                seen.add(key)
-                spec = sharding.resolve(leaf.names, leaf.shape, sizes, self.rules).spec \
-                    if leaf.names is not None else ()
-                if data_dim(spec, leaf.shape, sizes) is not None:
-                    return True
+        # a stack's blocks share their leaves: each (names, shape) resolved once
+        for names, shape in {(x.names, x.shape): x for lay in self.cost.layers
+                             for x in lay.params}:
+            spec = sharding.resolve(names, shape, sizes, self.rules).spec \
+                if names is not None else ()
+            if data_dim(spec, shape, sizes) is not None:
+                return True
         return False
 
     def outside_stack(self, fsdp: int, tensor: int) -> tuple[float, float]:

@@ -166,7 +166,7 @@ PUBLISHED_BF16: tuple[PublishedRun, ...] = (
         {"mesh.data": 4, "mesh.stage": 8, "mesh.tensor": 4, "pipeline.schedule": "interleaved",
          "pipeline.virtual_stages": 6, "train.microbatches": 64, "model.remat": "none",
          "train.optimizer_sharding": "data", "train.sequence_parallel": "true"},
-        8.309, "8.309 s per step (63,099 tokens/s, 53.5 % MFU, BF16)",
+        8.309, "63,099 tokens/s (53.5 % MFU, BF16)",
         xfail_fit="jaxmp's pipeline runs XLA's attention inside its stages (cuDNN's does not "
                   "partition inside a shard_map): without recomputation the in-flight "
                   "microbatches' float32 scores do not fit (111 GiB; with save_dots 66.9, "
@@ -185,7 +185,7 @@ PUBLISHED_BF16: tuple[PublishedRun, ...] = (
                "model.param_dtype=bfloat16"), "H100", 16,
         {"mesh.data": 4, "mesh.tensor": 4, "train.microbatches": 4, "model.remat": "none",
          "train.optimizer_sharding": "data", "train.sequence_parallel": "true"},
-        2.83, "2.83 s per step (92,630 tokens/s, 62.1 % MFU, BF16)",
+        2.83, "92,630 tokens/s (62.1 % MFU, BF16)",
         notes=("squared-ReLU MLP costed as jaxmp's gelu MLP: the same matmuls",),
         xfail_fit="jaxmp reduces accumulated gradients over data in a shard_map, inside which "
                   "cuDNN's attention does not partition, so the step runs XLA's (float32 "
@@ -203,7 +203,7 @@ PUBLISHED_BF16: tuple[PublishedRun, ...] = (
         {"mesh.data": 8, "mesh.stage": 12, "mesh.tensor": 4, "pipeline.schedule": "1f1b",
          "train.microbatches": 128, "model.remat": "full",
          **_MEGATRON_2021, "train.optimizer_sharding": "data"},
-        105.22, "105.22 s per iteration (149.02 TFLOP/s per GPU, bf16)",
+        105.22, "149.02 TFLOP/s per GPU (bf16; iteration log)",
         notes=("published memory: 'one copy of the model takes 48 GPUs (using 60 GB of memory "
                "on each GPU)' (BigScience's BLOOM model page)", "ALiBi and the embedding "
                "layernorm are not in jaxmp's GPT; neither moves the matmuls")),
@@ -212,7 +212,7 @@ PUBLISHED_BF16: tuple[PublishedRun, ...] = (
         "(JAX, FSDP 64, per-device batch 2, remat save_dot_except_mlpwi, cudnn_flash_te, "
         "BF16)", _shape(80, 8192, 64, 32000, 4096, 128, *_LLAMA_70B), "H100", 64,
         {"mesh.fsdp": 64, "train.microbatches": 1, "model.remat": "save_dots"},
-        6.999, "6.999 s per step (74,909 tokens/s, 52.6 % MFU, BF16)", usable_fraction=0.94,
+        6.999, "74,909 tokens/s (52.6 % MFU, BF16)", usable_fraction=0.94,
         xfail_fit="jaxmp has no remat policy between save_dots and full: MaxText's "
                   "save_dot_except_mlpwi recomputes the MLP's two 28672-wide input "
                   "projections, whose outputs save_dots holds (2 x 470 MB per sequence and "

@@ -89,9 +89,11 @@ TARGETS: dict[str, GpuTarget] = {
                       memory_bandwidth=3_350e9),  # [H100-DS]
     # The 96 GB H100 (Meta's Grand Teton hosts, where torchtitan measures; GH200's H100).
     # NVIDIA publishes no datasheet for it: memory is 96 GiB scaled by the 80 GB part's
-    # reported / nominal ratio (0.98887), bandwidth the 80 GB SXM's. Estimated, not recorded.
+    # reported / nominal ratio (0.98887), estimated, not recorded. Bandwidth: torchtitan's
+    # docs/performance.md says its H100s have "96GB HBM2e with 2.4 TB/sec peak memory
+    # bandwidth" (and run at a 500 W power limit).
     "H100-96GB": GpuTarget("H100-96GB", "NVIDIA H100 96GB HBM3", **_GH100,
-                           memory_bytes=101_931_574_886, memory_bandwidth=3_350e9),
+                           memory_bytes=101_931_574_886, memory_bandwidth=2_400e9),
     "H200": GpuTarget("H200", "NVIDIA H200", **_GH100,
                       memory_bytes=151_397_597_184,  # [XLA-SPEC] h200
                       memory_bandwidth=4_800e9),  # [H200-DS]

@@ -22,7 +22,7 @@ evaluate = functools.lru_cache(maxsize=None)(_evaluate)
 TOLERANCE = 0.25
 
 
-@pytest.fixture(scope="module", params=RUNS, ids=lambda r: r.name.split()[-1])
+@pytest.fixture(scope="module", params=RUNS, ids=lambda r: r.name.replace(" ", "_"))
 def evaluation(request):
     return evaluate(request.param)
 
@@ -37,9 +37,12 @@ def test_published_layout_fits(evaluation, request):
 
 
 def test_chosen_plan_fits_and_is_no_slower(evaluation):
-    p = evaluation.plan
+    """No slower than the published layout where that fits (a layout that does not fit is
+    not one the planner may choose)."""
+    p, g = evaluation.plan, evaluation.given
     assert p.fits and p.runnable
-    assert p.predicted.step_time_s <= evaluation.given.predicted.step_time_s * (1 + 1e-9)
+    if g.fits:
+        assert p.predicted.step_time_s <= g.predicted.step_time_s * (1 + 1e-9)
 
 
 def test_published_step_time(evaluation, request):

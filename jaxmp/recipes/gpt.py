@@ -26,7 +26,7 @@ from jaxmp.config import replace
 from jaxmp.cost import REMAT_POLICIES, ModelCost, model_costs
 from jaxmp.data import STDLIB_VOCAB, BatchIterator, make_batches, padded_vocab, read_meta
 from jaxmp.data.meta import META, RUN_META, TOKENIZER
-from jaxmp.errors import ConfigError
+from jaxmp.errors import ConfigError, PlanError
 from jaxmp.models import GPT, GPTConfig, lm_loss, next_token_loss
 from jaxmp.models.attention import (SHARD_MAP_BLOCKER, AttentionChoice, choose_attention,
                                    device_platform)
@@ -191,8 +191,11 @@ def gpt_plan(config: Config, n_devices: int, device_kind: str | None = None, *,
                           f"({mesh_str(plan.mesh)}, {plan.microbatches} microbatches): "
                           f"{SHARD_MAP_BLOCKER} (use 'auto' or 'xla')")
     if plan.layout.stages > 1 and config.mesh.stage == "auto":
-        flat = planned(replace(config, mesh={"stage": 1}), attention)
-        if flat.fits and not _partly_manual(flat):
+        try:  # no flat layout at all (e.g. 384 devices = 3 x 2^7, no weight splits by 3)
+            flat = planned(replace(config, mesh={"stage": 1}), attention)
+        except PlanError:
+            flat = None
+        if flat is not None and flat.fits and not _partly_manual(flat):
             return flat
     return planned(config, AttentionChoice("xla", f"auto: {SHARD_MAP_BLOCKER}"))
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 import jaxmp
 from jaxmp import rules
@@ -150,3 +151,24 @@ def test_recipe_resolves_attention_for_where_the_model_runs():
     tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
     jaxpr = str(jax.make_jaxpr(lambda t: model(t))(tokens))
     assert "dot_product_attention_fwd" in jaxpr
+
+
+def test_scanned_layers_save_no_copy_of_their_weights(capsys):
+    """remat none, scanned, 16-bit params: the backward re-slices the stacked weights (the
+    argument) instead of saving each layer's pinned slice into a stacked copy
+    (jaxmp.remat.keeps_all_but_constraints)."""
+    cfg = dataclasses.replace(TINY, param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
+    assert cfg.remat == "none" and cfg.scan_layers
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    batch = {k: jnp.asarray(v) for k, v in lm_batch().items()}
+    stacked = {f"bf16[{','.join(map(str, x.shape))}]"
+               for x in jax.tree.leaves(nnx.state(model.blocks))}
+    mesh = jaxmp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    params = jax.device_put(params, rules.shardings_for(params, mesh))
+    with rules.activation_sharding(mesh):  # each layer's slice pinned to its sharding
+        print_saved_residuals(lambda p: lm_loss(nnx.merge(graphdef, p), batch)[0], params)
+    saved = capsys.readouterr().out.splitlines()  # "bf16[2,64,256] from the argument p..."
+    assert any(line.split()[0] in stacked for line in saved)  # the weights, as arguments
+    copies = [line for line in saved if line.split()[0] in stacked and "argument" not in line]
+    assert not copies, copies

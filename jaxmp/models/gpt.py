@@ -253,7 +253,8 @@ class GPT(nnx.Module):
         def body(h: jax.Array, layer_state) -> tuple[jax.Array, None]:
             return nnx.merge(graphdef, _pin_layer_params(layer_state))(h), None
 
-        body = checkpointed(body, self.cfg.remat, prevent_cse=not self.cfg.scan_layers)
+        body = checkpointed(body, self.cfg.remat, scanned=self.cfg.scan_layers,
+                            prevent_cse=not self.cfg.scan_layers)
         if self.cfg.scan_layers:
             return scan_layers(body, x, stacked)
         for i in range(self.cfg.layers):

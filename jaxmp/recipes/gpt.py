@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmp._util.fmt import mesh_str
 from jaxmp._util.io import atomic_write
 from jaxmp.config import replace
 from jaxmp.cost import REMAT_POLICIES, ModelCost, model_costs
@@ -28,8 +27,7 @@ from jaxmp.data import STDLIB_VOCAB, BatchIterator, make_batches, padded_vocab, 
 from jaxmp.data.meta import META, RUN_META, TOKENIZER
 from jaxmp.errors import ConfigError
 from jaxmp.models import GPT, GPTConfig, lm_loss, next_token_loss
-from jaxmp.models.attention import (AttentionChoice, choose_attention,
-                                   device_platform)
+from jaxmp.models.attention import AttentionChoice, choose_attention, device_platform
 from jaxmp.pipeline.chunk import PipelineSpec
 from jaxmp.plan import Plan, make_plan
 from jaxmp.recipes.gpt_config import Config, ModelConfig

@@ -402,3 +402,39 @@ def test_constrain_in_jit_and_scan(meshes):
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp"), "tensor")), 2)
     np.testing.assert_allclose(np.asarray(out), 8.0)
     assert rules.constrain(x, ("batch",)) is x  # context is gone after the block
+
+
+def test_local_runs_an_op_on_local_arrays_inside_a_partial_shard_map(meshes):
+    """``sharding.activations.local`` (what runs cuDNN's attention inside the pipeline's and the
+    gradient reducer's shard_maps) splits each array by its logical names over the axes still
+    automatic and gives the op local arrays: same values and gradients as the plain call, at
+    the top level and nested in a shard_map over ``data`` (grouped-query attention, float32)."""
+    from functools import partial
+
+    from jaxmp.models.attention import KV_NAMES, QUERY_NAMES
+    from jaxmp.sharding.activations import local
+
+    mesh = meshes["d2f2t2"]
+    attn = partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (8, 16, 4, 8))
+    k, v = (jax.random.normal(key, (8, 16, 2, 8)) for key in keys[1:])
+
+    def loss(q, k, v, wrapped):
+        out = local(attn, (q, k, v), (QUERY_NAMES, KV_NAMES, KV_NAMES),
+                    QUERY_NAMES) if wrapped else attn(q, k, v)
+        return jnp.sum(out * jnp.cos(out))
+
+    def per_replica(q, k, v):
+        with rules.activation_sharding(mesh):
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v, True)
+
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, k, v, False)
+    with rules.activation_sharding(mesh):
+        top = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, k, v, True)
+    nested = jax.jit(jax.shard_map(per_replica, mesh=mesh, in_specs=P("data"),
+                                   out_specs=P("data"), axis_names={"data"},
+                                   check_vma=False))(q, k, v)
+    for got in (top, nested):
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)

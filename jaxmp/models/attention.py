@@ -12,10 +12,14 @@ must know whether ``S x S`` arrays exist) ask the same question.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
+
+import jax
 
 from jaxmp.config import ATTENTION_KINDS
 from jaxmp.errors import ConfigError
+from jaxmp.sharding.activations import local
 
 SETTINGS = ("auto", *ATTENTION_KINDS)
 CUDNN_DTYPES = ("bfloat16", "float16")
@@ -25,12 +29,13 @@ CUDNN_MAX_HEAD_DIM = 128
 # jax's cuDNN attention partitions itself (custom partitioning) from its operands'
 # PartitionSpecs; inside a shard_map over part of the mesh (the pipeline's over ``stage``, the
 # gradient reducer's over ``data``; the other axes automatic) XLA hands it shardings without
-# one and the compile fails (jax 0.10.2: "'GSPMDSharding' object has no attribute 'spec'").
-# So such layouts run XLA's attention.
-SHARD_MAP_BLOCKER = ("cuDNN's attention does not partition inside a shard_map over part of "
-                     "the mesh (pipeline stages, or the gradient reduction after "
-                     "microbatches: jax's custom partitioning)")
-
+# one and the compile fails (jax 0.10.2 and 0.12: "'GSPMDSharding' object has no attribute
+# 'spec'"). :func:`attend` therefore runs it in a shard_map of its own over the axes still
+# automatic (jaxmp.sharding.activations.local), where it sees local arrays and partitions
+# nothing: batch split as ``batch``, heads as ``act_heads`` / ``act_kv_heads``, the sequence
+# and head_dim whole.
+QUERY_NAMES = ("batch", None, "act_heads", None)
+KV_NAMES = ("batch", None, "act_kv_heads", None)
 
 @dataclass(frozen=True)
 class AttentionChoice:
@@ -89,3 +94,14 @@ def choose_attention(setting: str, platform: str, compute_dtype: str,
         return AttentionChoice("xla", f"auto: {blocker}")
     return AttentionChoice("cudnn", f"auto: cuDNN flash attention, {compute_dtype}, "
                                     f"head_dim {head_dim}")
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str) -> jax.Array:
+    """Causal attention of ``q`` over ``k``, ``v`` (``[batch, seq, heads, head_dim]``; fewer kv
+    heads for grouped-query attention) with ``implementation`` ("xla" | "cudnn"). cuDNN's runs
+    on local arrays (see :data:`QUERY_NAMES`), so it also runs inside the pipeline's and the
+    gradient reducer's shard_maps; XLA's is partitioned by XLA as before."""
+    call = partial(jax.nn.dot_product_attention, is_causal=True, implementation=implementation)
+    if implementation != "cudnn":
+        return call(q, k, v)
+    return local(call, (q, k, v), (QUERY_NAMES, KV_NAMES, KV_NAMES), QUERY_NAMES)

@@ -20,16 +20,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmp._util.fmt import mesh_str
 from jaxmp._util.io import atomic_write
 from jaxmp.config import replace
 from jaxmp.cost import REMAT_POLICIES, ModelCost, model_costs
 from jaxmp.data import STDLIB_VOCAB, BatchIterator, make_batches, padded_vocab, read_meta
 from jaxmp.data.meta import META, RUN_META, TOKENIZER
-from jaxmp.errors import ConfigError, PlanError
+from jaxmp.errors import ConfigError
 from jaxmp.models import GPT, GPTConfig, lm_loss, next_token_loss
-from jaxmp.models.attention import (SHARD_MAP_BLOCKER, AttentionChoice, choose_attention,
-                                   device_platform)
+from jaxmp.models.attention import AttentionChoice, choose_attention, device_platform
 from jaxmp.pipeline.chunk import PipelineSpec
 from jaxmp.plan import Plan, make_plan
 from jaxmp.recipes.gpt_config import Config, ModelConfig
@@ -181,29 +179,7 @@ def gpt_plan(config: Config, n_devices: int, device_kind: str | None = None, *,
         plan.cost_time_s = seconds
         return plan
 
-    plan = planned(config, attention)
-    if attention.implementation != "cudnn" or not _partly_manual(plan):
-        return plan
-    # cuDNN's attention cannot run in this layout (SHARD_MAP_BLOCKER): without stages if the
-    # mesh leaves them open and cuDNN's plan fits so, else XLA's attention, costed as such.
-    if config.model.attention == "cudnn":
-        raise ConfigError(f"model.attention: 'cudnn' cannot run in the planned layout "
-                          f"({mesh_str(plan.mesh)}, {plan.microbatches} microbatches): "
-                          f"{SHARD_MAP_BLOCKER} (use 'auto' or 'xla')")
-    if plan.layout.stages > 1 and config.mesh.stage == "auto":
-        try:  # no flat layout at all (e.g. 384 devices = 3 x 2^7, no weight splits by 3)
-            flat = planned(replace(config, mesh={"stage": 1}), attention)
-        except PlanError:
-            flat = None
-        if flat is not None and flat.fits and not _partly_manual(flat):
-            return flat
-    return planned(config, AttentionChoice("xla", f"auto: {SHARD_MAP_BLOCKER}"))
-
-
-def _partly_manual(plan: Plan) -> bool:
-    """Whether ``plan``'s step runs the model inside a shard_map over part of the mesh: the
-    pipeline's (stages) or the gradient reducer's (a reduction after microbatches)."""
-    return plan.layout.stages > 1 or plan.layout.reduce_after_microbatches
+    return planned(config, attention)
 
 
 def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,

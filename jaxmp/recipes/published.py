@@ -167,11 +167,7 @@ PUBLISHED_BF16: tuple[PublishedRun, ...] = (
          "pipeline.virtual_stages": 6, "train.microbatches": 64, "model.remat": "none",
          "train.optimizer_sharding": "data", "train.sequence_parallel": "true"},
         8.309, "63,099 tokens/s (53.5 % MFU, BF16)",
-        xfail_fit="jaxmp's pipeline runs XLA's attention inside its stages (cuDNN's does not "
-                  "partition inside a shard_map): without recomputation the in-flight "
-                  "microbatches' float32 scores do not fit (111 GiB; with save_dots 66.9, "
-                  "with cuDNN's attention costed 67.6)",
-        xfail_time="predicted 65 % slow (61 % with cuDNN's attention costed): compute at the "
+        xfail_time="predicted 61 % slow: compute at the "
                    "H100's 0.45 efficiency where this run reached 53.5 % MFU end to end, and "
                    "the tensor all-reduces (1.0 s) and the data reduction after the schedule "
                    "(0.5 s) exposed, which Megatron overlaps with compute"),
@@ -187,12 +183,9 @@ PUBLISHED_BF16: tuple[PublishedRun, ...] = (
          "train.optimizer_sharding": "data", "train.sequence_parallel": "true"},
         2.83, "92,630 tokens/s (62.1 % MFU, BF16)",
         notes=("squared-ReLU MLP costed as jaxmp's gelu MLP: the same matmuls",),
-        xfail_fit="jaxmp reduces accumulated gradients over data in a shard_map, inside which "
-                  "cuDNN's attention does not partition, so the step runs XLA's (float32 "
-                  "4096^2 scores: 402 GiB without remat); and XLA's GPU pipeline keeps "
-                  "sequence-parallel activations whole inside the accumulation loop (137 GiB "
-                  "with cuDNN's attention costed)",
-        xfail_time="predicted 83 % slow (52 % with cuDNN's attention costed): compute at the "
+        xfail_fit="XLA's GPU pipeline keeps sequence-parallel activations whole inside the "
+                  "accumulation loop (DeviceProfile.sequence_parallel_in_loops): 137 GiB",
+        xfail_time="predicted 52 % slow: compute at the "
                    "H100's 0.45 efficiency where this run reached 62.1 % MFU end to end"),
     PublishedRun(
         "BLOOM 176B", "bigscience-workshop/bigscience train/tr11-176B-ml: tr11-176B-ml.slurm "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -13,7 +13,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmp.sharding.resolve import DEFAULT_RULES, Rule, logical_spec, normalize_rules
+from jaxmp.sharding.resolve import (DEFAULT_RULES, Rule, logical_spec, normalize_rules,
+                                    resolve)
 
 _SEEN: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
     "jaxmp_activation_names", default=None)
@@ -102,3 +103,34 @@ def gathered(x: Any, names: Sequence[str | None], axis: str = "fsdp") -> Any:
     mesh, rules = active
     spec = logical_spec(names, np.shape(x), mesh, rules)
     return jax.lax.with_sharding_constraint(x, named(mesh, spec_without(spec, axis)))
+
+
+def local(fn: Callable[..., Any], args: Sequence[Any], in_names: Sequence[Sequence[str | None]],
+          out_names: Sequence[str | None]) -> Any:
+    """``fn(*args)`` (one array out) run on local arrays: a ``shard_map`` over the mesh axes
+    still automatic where this is traced (all of them, or those an enclosing ``shard_map`` over
+    part of the mesh left, e.g. the pipeline's over ``stage``), each array split as its logical
+    names resolve on those axes. For an op that partitions itself (jax's cuDNN attention, a
+    custom-partitioning op) and cannot inside a shard_map over part of the mesh. A plain call
+    outside :func:`activation_sharding` or where no mesh axis is left automatic."""
+    active = _ACTIVE.get()
+    if active is None:
+        return fn(*args)
+    mesh, rules = active
+    context = current_mesh(mesh)
+    manual = set(getattr(context, "manual_axes", ()))
+    sizes = {a: (1 if a in manual else int(n)) for a, n in dict(mesh.shape).items()}
+    # every axis not yet manual, size 1 too: jax lowers a custom-partitioning op as a plain
+    # call only where all of the mesh's axes are manual (jax/_src/custom_partitioning.py)
+    auto = set(sizes) - manual
+    if not auto or all(sizes[a] == 1 for a in auto) and not manual:
+        return fn(*args)
+
+    def spec(names: Sequence[str | None], shape: Sequence[int]) -> P:
+        return resolve(tuple(names), tuple(shape), sizes, rules).spec
+
+    in_specs = tuple(spec(n, np.shape(a)) for n, a in zip(in_names, args, strict=True))
+    out_shape = jax.eval_shape(fn, *args).shape
+    run = jax.shard_map(fn, mesh=context, in_specs=in_specs,
+                        out_specs=spec(out_names, out_shape), axis_names=auto, check_vma=False)
+    return run(*args)

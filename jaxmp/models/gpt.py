@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmp.gradsum import scan_layers
-from jaxmp.remat import checkpointed
+from jaxmp.remat import ATTENTION_SCOPE, checkpointed
 from jaxmp.sharding import constrain, constrain_param, names_of
 
 @dataclass(frozen=True)
@@ -169,8 +169,9 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
         q, k, v = self.qkv(x, jnp.arange(x.shape[1]))
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                           implementation=self.implementation)
+        with jax.named_scope(ATTENTION_SCOPE):  # the cost model counts XLA's S x S traffic by it
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                               implementation=self.implementation)
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return jnp.einsum("bshk,hkd->bsd", out, self.o[...].astype(dt))
 

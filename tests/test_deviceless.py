@@ -347,8 +347,10 @@ def test_a_pipelined_step_compiles_for_gpus():
     from jaxmp.tools.measure import measure_step
     from jaxmp.topology import gpu_topology
 
+    # (1f1b fixed: with XLA attention's S x S traffic charged (stop 27) the planner takes
+    # interleaved x2 here, whose bytes are the pipelined-bytes item of issue S)
     config = _config("auto", "mesh.fsdp=4", "mesh.stage=2", "mesh.data=1",
-                     "data.seq_len=512")
+                     "data.seq_len=512", "pipeline.schedule=1f1b")
     topo = gpu_topology(N, "H100")
     plan = gpt_plan(config, N, device_kind="H100", platform="cuda")
     trainer = gpt_trainer(config, devices=list(topo.devices), with_data=False, plan=plan)

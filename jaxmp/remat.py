@@ -36,6 +36,11 @@ is_finite and or not xor eq ne lt le gt ge reduce_precision nextafter
 """.split())
 
 
+# The named scope a model's attention runs under (jaxmp.models.gpt): the cost model counts the
+# memory traffic of XLA's attention (its S x S scores and probabilities) by it.
+ATTENTION_SCOPE = "attention"
+
+
 def stash_keeps(prim: Any, *_: Any, **__: Any) -> bool:
     """The ``jax.checkpoint`` policy of a pipeline's stash without remat (and of the cost
     model's staged residuals, so the planner measures what the stash keeps)."""

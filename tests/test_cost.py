@@ -267,3 +267,38 @@ def test_flash_attention_saves_no_scores():
     peak = lambda lay: lay.transient["none"].peak(2)  # noqa: E731
     assert peak(flash) < 0.5 * peak(xla)
     assert flash.fwd_flops == pytest.approx(xla.fwd_flops, rel=0.05)
+    # Memory traffic (jaxmp.cost.traffic): XLA's attention moves its S x S arrays through
+    # HBM, forward and backward (4 bytes x B x N x T x S per float32 array); cuDNN's kernel
+    # moves none of them.
+    square_bytes = 4 * 2 * 4 * seq * seq
+    at = lambda lay: lay.traffic["none"].attention[1] * 2 + lay.traffic["none"].attention[0]  # noqa: E731
+    assert at(xla) > 4 * square_bytes
+    assert at(flash) < 0.05 * at(xla)
+
+
+def test_traffic_counts_fusions_and_thin_matmuls():
+    """A fusion reads what it takes from a matmul once and writes what a matmul reads; a
+    parameter's cast is not counted; each matmul lists its FLOPs and bytes."""
+    from jaxmp.cost import traffic
+
+    n, d, f = 64, 32, 128
+
+    def fn(w1, w2, x):
+        h = x @ w1.astype(jnp.bfloat16)                # dot: [n, f] bf16
+        with jax.named_scope("attention"):
+            g = jax.nn.gelu(h.astype(jnp.float32))     # one fusion: reads h, writes g (f32)
+        return (g.astype(jnp.bfloat16) @ w2.astype(jnp.bfloat16)).sum()
+
+    args = (jax.ShapeDtypeStruct((d, f), jnp.float32), jax.ShapeDtypeStruct((f, d), jnp.float32),
+            jax.ShapeDtypeStruct((n, d), jnp.bfloat16))
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    t = traffic.count(jaxpr, jaxpr.jaxpr.invars[:2])
+    # gelu's fusion reads h (bf16), writes its bf16 cast for the matmul; the sum reads the
+    # second matmul's output and writes a few scalars (in float32, cast back)
+    assert t.attention_bytes == n * f * 2 + n * f * 2
+    assert n * d * 2 < t.fused_bytes - t.attention_bytes <= n * d * 2 + 16
+    assert [fl for fl, _ in t.dots] == [2 * n * d * f, 2 * n * f * d]
+    assert t.dots[0][1] == n * d * 2 + d * f * 2 + n * f * 2
+    lin = traffic.linear(t, traffic.count(jax.make_jaxpr(fn)(*args[:2], jax.ShapeDtypeStruct(
+        (1, d), jnp.bfloat16)), jaxpr.jaxpr.invars[:2]), n)
+    assert lin.fused[1] * n + lin.fused[0] == pytest.approx(t.fused_bytes)

@@ -24,6 +24,8 @@ from jaxmp.cost import flops as F
 from jaxmp.cost.fusion import kept_values
 from jaxmp.cost.liveness import Timeline, backward_timeline
 from jaxmp.cost.trace import LayerCall
+from jaxmp.cost.traffic import count as count_traffic
+from jaxmp.cost.traffic import linear
 from jaxmp.remat import checkpointed, stash_keeps
 
 @dataclass(frozen=True)
@@ -169,17 +171,21 @@ def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[s
     one_row = with_rows(arrays, rows, 1) if rows > 1 else arrays
     outputs, outputs_one = _outputs(call, arrays), _outputs(call, one_row) if rows > 1 else None
     out: dict[str, Any] = {"saved": {}, "fused": {}, "recompute": {}, "transient": {},
-                          "skipped": {}}
+                          "skipped": {}, "traffic": {}}
+    n_state = len(jax.tree.leaves((call.params, call.rest)))
     totals: dict[str, float] = {}
     for policy in policies:
         jaxpr, res_avals, fused, transient = _residual_avals(call, policy, arrays, rows,
                                                              outputs=outputs)
+        traffic = count_traffic(jaxpr, jaxpr.jaxpr.invars[:n_state])
         if rows > 1:
-            _, res_one, fused_one, transient_one = _residual_avals(
+            one, res_one, fused_one, transient_one = _residual_avals(
                 call, policy, one_row, 1, outputs=outputs_one)
+            traffic_one = count_traffic(one, one.jaxpr.invars[:n_state])
         else:
-            res_one = fused_one = None
+            res_one = fused_one = traffic_one = None
             transient_one = transient
+        out["traffic"][policy] = linear(traffic, traffic_one, rows)
         out["saved"][policy] = saved_from(res_avals, res_one, rows)
         out["fused"][policy] = saved_from(fused, fused_one, rows)
         out["transient"][policy] = transient.with_batch_dims(

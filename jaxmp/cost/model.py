@@ -33,6 +33,8 @@ from jaxmp._util.fmt import fmt_bytes, fmt_flops, table
 from jaxmp.cost import flops as F
 from jaxmp.cost.fusion import kept_values
 from jaxmp.cost.layer import Saved, analyse_layer, saved_from, with_rows
+from jaxmp.cost.traffic import LinearTraffic, linear
+from jaxmp.cost.traffic import count as count_traffic
 from jaxmp.cost.trace import root_residuals, scope_index, trace_residuals, trace_training
 from jaxmp.remat import REMAT_POLICIES
 
@@ -71,6 +73,9 @@ class LayerCost:
     # What a pipeline's stash keeps of it, per remat policy, where that differs from ``saved``
     # (without remat: :func:`jaxmp.remat.stash_keeps`). Empty: as ``saved``.
     staged: dict[str, Saved] = field(default_factory=dict)
+    # Per remat policy, the memory traffic of its memory-bound work (jaxmp.cost.traffic):
+    # fusions' bytes and thin matmuls' operands. Empty: not counted.
+    traffic: dict[str, LinearTraffic] = field(default_factory=dict)
 
     def flops(self, remat: str = "none") -> float:
         """Training FLOPs (forward, backward, recomputation) at the traced batch."""
@@ -230,6 +235,19 @@ def _root_saved(model: Any, batch: Any, loss_fn: Callable | None, rows: int
     return saved, fused, res_one
 
 
+def _root_traffic(model: Any, batch: Any, loss_fn: Callable | None, rows: int
+                  ) -> LinearTraffic:
+    """The memory traffic of the code outside the layers (embedding, final norm, head, loss:
+    a GPT's log-softmax over its vocabulary), forward and backward, charged to ``post``."""
+    def one(b: Any) -> Any:
+        jaxpr, _ = trace_training(model, b, loss_fn)
+        n = len(jaxpr.jaxpr.invars) - len(jax.tree.leaves(b))
+        return count_traffic(jaxpr, jaxpr.jaxpr.invars[:n],
+                             where=lambda stack: scope_index(stack) is None)
+
+    return linear(one(batch), one(with_rows(batch, rows, 1)) if rows > 1 else None, rows)
+
+
 def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
                 tx: Any = None, policies: Sequence[str] = tuple(REMAT_POLICIES),
                 path_rules: Sequence | None = None, root_model: Any = None) -> ModelCost:
@@ -258,6 +276,7 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
     if root_model is not None and not isinstance(root_model, nnx.Module):
         root_model = sharding.abstract(lambda: root_model(nnx.Rngs(0)))
     root_saved, root_fused, res_one = _root_saved(root_model or model, batch, loss_fn, rows)
+    root_traffic = _root_traffic(root_model or model, batch, loss_fn, rows)
 
     def optimizer_bytes(params: Any) -> float:
         if tx is None:
@@ -293,6 +312,7 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
             fused={p: saved_from(kept, kept_one if res_one is not None else None, rows)
                    for p in policies},
             params=used, share=1.0, param_count=float(n), param_bytes=pbytes, group=side,
+            traffic={p: root_traffic for p in policies} if side == "post" else {},
             optimizer_bytes=optimizer_bytes([_leaf_aval(x) for x in used]),
             boundary_bytes=0.0)
         layers.append(layer)
@@ -319,6 +339,7 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
                 skipped_flops=dict(a["skipped"]),
                 saved=dict(a["saved"]), fused=dict(a["fused"]),
                 transient=dict(a["transient"]), staged=dict(a["staged"]), params=leaves,
+                traffic=dict(a["traffic"]),
                 share=1.0 / count,
                 param_count=float(sum(math.prod(x.shape) for x in leaves)) / count,
                 param_bytes=pbytes, optimizer_bytes=optimizer_bytes(call.params),

@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxmp.gradsum import scan_layers
 from jaxmp.models.attention import attend
-from jaxmp.remat import checkpointed
+from jaxmp.remat import ATTENTION_SCOPE, checkpointed
 from jaxmp.sharding import constrain, constrain_param, names_of
 
 @dataclass(frozen=True)
@@ -170,7 +170,8 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
         q, k, v = self.qkv(x, jnp.arange(x.shape[1]))
-        out = attend(q, k, v, self.implementation)
+        with jax.named_scope(ATTENTION_SCOPE):  # the cost model counts XLA's S x S traffic by it
+            out = attend(q, k, v, self.implementation)
         out = constrain(out, ("batch", "seq", "act_heads", None))
         return jnp.einsum("bshk,hkd->bsd", out, self.o[...].astype(dt))
 

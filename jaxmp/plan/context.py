@@ -238,11 +238,17 @@ class Context:
             regather = rematted or (lay.in_loop and not (custom and remat == "none"))
             kept = 0.0 if regather else sh.gather_wire
             # Time: the FLOPs the device runs (less what causal kernels skip) at the
-            # achievable rate, plus the saved activations' memory traffic: written in the
-            # forward, read back in the backward, at the memory bandwidth (docs/planner.md §2).
-            flops = lay.run_flops(remat) * rows / cost.rows / (tensor if sh.tensor_dims else 1)
-            seconds = flops / self.rate + (2 * act / self.profile.memory_bw
-                                           if self.profile.memory_bw else 0.0)
+            # achievable rate, plus the memory-bound work at the memory bandwidth: the layer's
+            # fusions and thin matmuls (jaxmp.cost.traffic: saved activations written and read
+            # back among them), or without that count its saved activations written in the
+            # forward and read back in the backward (docs/planner.md §2).
+            split = tensor if sh.tensor_dims else 1
+            flops = lay.run_flops(remat) * rows / cost.rows / split
+            bw = self.profile.memory_bw
+            traffic = lay.traffic.get(remat)
+            seconds = flops / self.rate + (2 * act / bw if bw else 0.0) + (
+                traffic.seconds(rows, split, self.rate, bw, fused=lay.kind in ("pre", "post"))
+                if traffic is not None else 0.0)
             # Full remat recomputes the forward, with its row-parallel all-reduces (all but the
             # last: the layer's own output is not needed again).
             # (A tied head reads the embedding's table transposed: its rows are columns.)

@@ -349,8 +349,10 @@ def test_a_pipelined_step_compiles_for_gpus():
     from jaxmp.tools.measure import measure_step
     from jaxmp.topology import gpu_topology
 
+    # 1F1B fixed: with interleaved chunks (jax 0.12's plan) the judge charges chunk 0's branch
+    # (the lookup gradient's gathers) on every busy tick, V times what runs: an upper bound.
     config = _config("auto", "mesh.fsdp=4", "mesh.stage=2", "mesh.data=1",
-                     "data.seq_len=512")
+                     "data.seq_len=512", "pipeline.schedule=1f1b")
     topo = gpu_topology(N, "H100")
     plan = gpt_plan(config, N, device_kind="H100", platform="cuda")
     trainer = gpt_trainer(config, devices=list(topo.devices), with_data=False, plan=plan)

@@ -355,14 +355,16 @@ def test_a_pipelined_step_compiles_for_gpus():
     XLA attention's elementwise ops per block and was written outside the ticks'
     conditionals: 255 MiB, -13 %, and at seq 2048 1930 MiB, -21 %; now 605 MiB, -7 %).
 
-    The stage's rows are gathered once per step, before the tick loop (executor.
-    resident_stack): no gather of the stack inside a tick's conditional, where none could
-    overlap compute. Left in the loop: the embedding's and head's (shared params, gathered
-    where the first and last chunks use them), 12 of them, 10 exposed (before: 28, 26 exposed;
-    44.4 MiB counted, the plan 16.7). Bytes, each tick's conditionals charged on the ticks
-    that run them (hlo.branches), within 10 % of the plan's (measured: 10.5 vs 9.6 MB).
-    XLA's attention (configured): these numbers are its; cuDNN's, which 'auto' now picks in
-    stages too, is the next test."""
+    The stage's rows and the shared params (embedding, head) are gathered once per step,
+    before the tick loop (ticks.resident): no weight gather inside a tick's conditional, where
+    none could overlap compute. Left in the loop: the lookup gradient's gathers of each
+    microbatch's cotangents and token ids over fsdp, 4 of them, exposed (stop 26: 12, 10
+    exposed, the embedding's and head's weights among them; before: 28, 26). Bytes, each
+    tick's conditionals charged on the ticks that run them (hlo.branches), within 3 % of the
+    plan's (measured: 11.13 predicted, 11.10 MB compiled; stop 26 9.6 vs 10.5, when the count
+    took one operand of the ticks' combined activation + cotangent permute). XLA's attention
+    (configured): these numbers are its; cuDNN's, which 'auto' now picks in stages too, is
+    the next test."""
     from jaxmp.hlo import collective_overlap
 
     plan, m = _pipelined_step("xla")
@@ -372,13 +374,12 @@ def test_a_pipelined_step_compiles_for_gpus():
         "reduce-scatter"], by_kind
     assert plan.layout.remat == "none"  # the stash's own policy (jaxmp.remat.stash_keeps)
     assert plan.predicted.per_device_bytes == pytest.approx(m.peak_bytes, rel=0.11)
-    assert plan.predicted.comm_bytes_per_step == pytest.approx(m.collective_bytes, rel=0.1)
+    assert plan.predicted.comm_bytes_per_step == pytest.approx(m.collective_bytes, rel=0.03)
     overlap = collective_overlap(m.compiled)
-    assert len(overlap.loop_all_gathers) <= 12 and overlap.exposed_loop_all_gathers <= 10, \
+    assert len(overlap.loop_all_gathers) <= 4 and overlap.exposed_loop_all_gathers <= 4, \
         overlap.summary()
     stack = [a for a in overlap.collectives if a.kind == "all-gather" and not a.in_loop]
     assert stack, overlap.summary()  # the resident rows' gather, once per step
-
 
 
 @needs_plugin

@@ -109,6 +109,15 @@ def test_inline_operand_shapes_and_garbage():
     assert stats.total_bytes == 0 and stats.warnings
 
 
+def test_a_combined_permute_sends_every_operand():
+    """XLA's GPU compiler combines the pipeline's two sends per tick (activation and
+    cotangent) into one collective-permute-start of a tuple: both are sent (the count used to
+    take the first operand only, half the pipelined steps' stage bytes)."""
+    body = """  %cps = ((f32[256]{0}, f32[1024]{0}), (f32[256]{0}, f32[1024]{0})) collective-permute-start(%q, %p), source_target_pairs={{0,1},{1,0}}
+  ROOT %cpd = (f32[256]{0}, f32[1024]{0}) collective-permute-done(%cps)"""
+    assert collective_stats(_module(body)).bytes_by_kind["collective-permute"] == 1024 + 4096
+
+
 def test_async_start_done_counted_once():
     body = """  %ars = f32[1024]{0} all-reduce-start(%p), replica_groups=[1,8]<=[8], to_apply=%add
   %ard = f32[1024]{0} all-reduce-done(%ars)

@@ -118,9 +118,9 @@ def _sized(kind: str, ins: Instr, shapes: dict[str, str], n: int, warn: list[str
         return out - s_in if s_in is not None else out
     if kind == "reduce-scatter":
         return s_in if s_in is not None else out * n
-    if kind == "collective-permute" and start:
-        if known and known[0]:
-            return shape_bytes(known[0])
+    if kind == "collective-permute" and start:  # combined permutes send every operand
+        if s_in is not None:
+            return s_in
         warn.append(f"{ins.name}: operand shape unknown, sized from its result tuple")
     return out
 

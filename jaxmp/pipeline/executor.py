@@ -157,7 +157,7 @@ class _TrainingTicks(DeviceTicks):
             residuals=self.stash.empty(program.res_slots + 1),
             cotangents=jnp.zeros((program.ct_slots + 1,) + zero.shape, zero.dtype),
             stack_grads=self.like_params(jax.tree.map(jnp.zeros_like, self.stack), (None,)),
-            shared_grads=jax.tree.map(jnp.zeros_like, self.shared),
+            shared_grads=self.like_shared(jax.tree.map(jnp.zeros_like, self.shared)),
             loss_sum=jnp.float32(0), weight_sum=jnp.float32(0))
 
     def tick(self, state: _Training, t: jax.Array) -> tuple[_Training, None]:
@@ -223,12 +223,14 @@ class _TrainingTicks(DeviceTicks):
             else:
                 grads, x_cotangent, loss, weight = self._stashed_backward(state, inputs, params)
             shared_grads, chunk_grads = grads
-            return shared_grads, self.like_params(chunk_grads), loss, weight, x_cotangent
+            return (self.like_shared(shared_grads), self.like_params(chunk_grads), loss, weight,
+                    x_cotangent)
 
         def idle(state: _Training) -> tuple:
             chunk = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), self.stack)
             zero = jnp.float32(0)
-            return (jax.tree.map(jnp.zeros_like, state.shared_grads), self.like_params(chunk),
+            return (self.like_shared(jax.tree.map(jnp.zeros_like, state.shared_grads)),
+                    self.like_params(chunk),
                     zero, zero, self.zero_activation)
 
         shared_grads, chunk_grads, loss, weight, x_cotangent = jax.lax.cond(

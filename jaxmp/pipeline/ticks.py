@@ -56,9 +56,15 @@ class DeviceTicks:
         # "layers", ...)): gradients are pinned to them, see `like_params`.
         self.chunk_names = [("layers",) + tuple(names)[2:] if names else None
                             for names in leaf_names(stack)]
-        self.stack = resident_stack(jax.tree.map(
-            lambda a: a.reshape((self.virtual, lmax) + a.shape[2:]), stack), self.chunk_names)
-        self.shared, self.rest, self.microbatches = shared, rest, microbatches
+        self.stack = resident(jax.tree.map(
+            lambda a: a.reshape((self.virtual, lmax) + a.shape[2:]), stack),
+            [(None,) + names if names else None for names in self.chunk_names])
+        # The shared params (embedding, head) likewise: gathered inside the first / last
+        # chunk's branches they moved on every microbatch, twice for the embedding (its
+        # stashed backward recomputes the lookup), exposed (docs/planner.md §7, stop 27).
+        self.shared_names = leaf_names(shared)
+        self.shared = resident(shared, self.shared_names)
+        self.rest, self.microbatches = rest, microbatches
         activation = chunk.activation(self.params(0), self.microbatch(0), rest)
         self.zero_activation = jnp.zeros(activation.shape, activation.dtype)  # A
 
@@ -71,12 +77,13 @@ class DeviceTicks:
         to the parameters' sharding. Without it, the partitioner leaves a weight gradient made
         inside a tick's ``lax.cond`` unsharded and all-reduces it over fsdp in full (GPU-
         compiled), instead of reduce-scattering it as the layer loop outside a pipeline does."""
-        flat, treedef = jax.tree.flatten(chunk_tree)
-        if len(flat) != len(self.chunk_names):
-            return chunk_tree
-        return treedef.unflatten([
-            sharding.constrain(x, (None,) * len(lead) + names) if names else x
-            for x, names in zip(flat, self.chunk_names)])
+        return pinned(chunk_tree, [(None,) * len(lead) + names if names else None
+                                   for names in self.chunk_names])
+
+    def like_shared(self, tree: Any) -> Any:
+        """``tree`` (shaped like the shared params: their gradients) constrained to the
+        shared params' sharding (see :meth:`like_params`)."""
+        return pinned(tree, self.shared_names)
 
     def microbatch(self, index: Any) -> dict:
         return jax.tree.map(lambda a: a[index], self.microbatches)
@@ -93,14 +100,24 @@ class DeviceTicks:
                                            for i in range(self.stages)])
 
 
-def resident_stack(stack: Any, chunk_names: list) -> Any:
-    """The device's stack ``[V, Lmax, ...]`` gathered over fsdp once per step, before the tick
-    loop: every tick's forward and backward read it. Gathered where a chunk runs, the weights
-    would move inside the tick's ``lax.cond``, where XLA's scheduler overlaps no compute with
-    them, on every tick that runs one (measured: docs/planner.md §7). The memory this holds:
+def pinned(tree: Any, names: list) -> Any:
+    """``tree``'s leaves constrained to their logical ``names`` (None: left alone); a tree
+    whose leaves do not match ``names`` one to one is returned as it is."""
+    flat, treedef = jax.tree.flatten(tree)
+    if len(flat) != len(names):
+        return tree
+    return treedef.unflatten([sharding.constrain(x, n) if n else x for x, n in zip(flat, names)])
+
+
+def resident(tree: Any, names: list) -> Any:
+    """Params gathered over fsdp once per step, before the tick loop: the device's stack rows
+    ``[V, Lmax, ...]`` and the shared params, which every tick's forward and backward read.
+    Gathered where a chunk runs, the weights would move inside the tick's ``lax.cond``, where
+    XLA's scheduler overlaps no compute with them, on every tick that runs one (measured:
+    docs/planner.md §7). Their gradients are pinned back to the params' names
+    (:meth:`DeviceTicks.like_params`): reduce-scattered per microbatch. The memory this holds:
     :func:`jaxmp.plan.pipeline.resident_weight_bytes`."""
-    flat, treedef = jax.tree.flatten(stack)
-    if len(flat) != len(chunk_names):
-        return stack
-    return treedef.unflatten([sharding.gathered(x, (None,) + tuple(names)) if names else x
-                              for x, names in zip(flat, chunk_names)])
+    flat, treedef = jax.tree.flatten(tree)
+    if len(flat) != len(names):
+        return tree
+    return treedef.unflatten([sharding.gathered(x, n) if n else x for x, n in zip(flat, names)])

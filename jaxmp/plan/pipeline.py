@@ -73,7 +73,7 @@ def chunks(ctx: Context, split: StageSplit) -> Chunks:
     return ctx.cached(("chunks", split), make)
 
 
-_SUMMED = ("time", "compute_time", "tensor_bytes", "fsdp_bytes")  # per chunk, via prefix sums
+_SUMMED = ("time", "compute_time", "tensor_bytes")  # per chunk, via prefix sums
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,9 @@ class _Terms:
     boundary: float  # one microbatch's activations at a stage boundary
     shared: float  # parameter bytes outside the stack (every stage holds them)
     shared_opt: float
-    prefix: dict[str, np.ndarray]  # prefix sums of the time and traffic fields
+    shared_gather: float  # the shared params' fsdp gather, once per step (tied weights once)
+    prefix: dict[str, np.ndarray]  # prefix sums of the time and traffic fields; "fsdp_bytes":
+    # per microbatch, less the weight gathers (the resident rows and shared params', per step)
 
 
 def _terms(ctx: Context, remat: str, data: int, fsdp: int, tensor: int,
@@ -98,31 +100,45 @@ def _terms(ctx: Context, remat: str, data: int, fsdp: int, tensor: int,
         table = ctx.table(remat, data, fsdp, tensor, microbatches, sp, staged=True)
         lo, hi = ctx.span
         shared, shared_opt = ctx.outside_stack(fsdp, tensor)
+        # sequence parallel: the stream crosses stages split over tensor too
+        boundary = ctx.cost.layers[lo].input_bytes / (data * fsdp * microbatches) / (
+            tensor if sp else 1)
+        outside = np.ones(len(ctx.cost.layers), bool)
+        outside[lo:hi] = False
+        once = float(np.where(ctx.tied | ~outside, 0.0, table.first_gather_bytes).sum())
+        per_microbatch = table.fsdp_bytes - table.gathers * table.first_gather_bytes
+        if lo and fsdp > 1 and table.first_gather_bytes[:lo].any():
+            # The lookup's gradient (a scatter-add into a table split over fsdp) gathers the
+            # microbatch's cotangents and token ids over fsdp (GPU-compiled), per microbatch.
+            ids = 4 * ctx.cost.rows * ctx.cost.seq_len / (data * fsdp * microbatches)
+            per_microbatch[0] += (fsdp - 1) * (boundary + ids)
+        prefix = {name: table.prefix(name) for name in _SUMMED}
+        prefix["fsdp_bytes"] = np.concatenate([[0.0], np.cumsum(per_microbatch)])
         return _Terms(table.row(lo), float(table.saved[:lo].sum()),
                       float(table.saved[hi:].sum()), float(table.work[:lo].max(initial=0.0)),
-                      float(table.work[hi:].max(initial=0.0)),
-                      # sequence parallel: the stream crosses stages split over tensor too
-                      ctx.cost.layers[lo].input_bytes / (data * fsdp * microbatches)
-                      / (tensor if sp else 1), shared,
-                      shared_opt, {name: table.prefix(name) for name in _SUMMED})
+                      float(table.work[hi:].max(initial=0.0)), boundary, shared,
+                      shared_opt, once, prefix)
 
     return ctx.cached(("terms", remat, data, fsdp, tensor, microbatches, sp), make)
 
 
-def resident_weight_bytes(blk: dict[str, float], fsdp: int, rows: int) -> float:
-    """The device's stack rows gathered over fsdp once per step and held through the tick loop
-    (:func:`jaxmp.pipeline.ticks.resident_stack`), in the gathers' wire dtype."""
-    return rows * blk["first_gather_bytes"] * fsdp / (fsdp - 1) if fsdp > 1 else 0.0
+def resident_weight_bytes(blk: dict[str, float], fsdp: int, rows: int,
+                          shared_gather: float = 0.0) -> float:
+    """The device's stack rows and the shared params gathered over fsdp once per step and held
+    through the tick loop (:func:`jaxmp.pipeline.ticks.resident`), in the gathers' wire
+    dtype (``shared_gather``: the shared params' one gather's bytes on the wire)."""
+    return (rows * blk["first_gather_bytes"] + shared_gather) * fsdp / (fsdp - 1) \
+        if fsdp > 1 else 0.0
 
 
 def fsdp_step_bytes(ch: Chunks, prefix: np.ndarray, blk: dict[str, float], stages: int,
-                    microbatches: int, rows: int) -> float:
-    """fsdp bytes of the busiest device per step: the stack's rows gathered once
-    (:func:`resident_weight_bytes`), not per microbatch-chunk; the gradient reduce-scatters
-    and the shared params' collectives per microbatch."""
-    per_microbatch = ch.busiest(prefix, stages) - ch.busiest_blocks * blk["gathers"] * blk[
-        "first_gather_bytes"]
-    return microbatches * per_microbatch + rows * blk["first_gather_bytes"]
+                    microbatches: int, rows: int, shared_gather: float = 0.0) -> float:
+    """fsdp bytes of the busiest device per step: the stack's rows and the shared params
+    gathered once (:func:`resident_weight_bytes`), not per microbatch-chunk; per microbatch
+    (``prefix``: per layer, without the gathers) the gradients' reduce-scatters, each
+    backward's own, and the lookup's gathers."""
+    return microbatches * ch.busiest(prefix, stages) + rows * blk["first_gather_bytes"] \
+        + shared_gather
 
 
 def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
@@ -169,7 +185,7 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
                (lmax * blk["saved"] if schedule.folds_last else 0.0) + k.post_work}
     what = max(options, key=options.get)
     chunk_grads = lmax * blk["param_local"]
-    resident = resident_weight_bytes(blk, fsdp, virtual * lmax)
+    resident = resident_weight_bytes(blk, fsdp, virtual * lmax, k.shared_gather)
     working = options[what] + chunk_grads + resident
     args = m.stored + opt + batch + STEP_STATE_BYTES
     total = args + grads + acts + working
@@ -182,7 +198,7 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     comm = dict.fromkeys(AXES, 0.0)
     comm["tensor"] = microbatches * ch.busiest(prefix["tensor_bytes"], stages)
     comm["fsdp"] = fsdp_step_bytes(ch, prefix["fsdp_bytes"], blk, stages, microbatches,
-                                   virtual * lmax)
+                                   virtual * lmax, k.shared_gather)
     if data > 1:  # once per step, after the schedule (jaxmp.compression.reduce), encoded per
         # compression.gradients: the device's chunks of the stack and the shared params
         comm["data"] = ctx.grad_bytes_factor * m.data_factor(microbatches, zero_divisor(
@@ -208,7 +224,7 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
         stages=list(zip(ch.starts.tolist(), ch.ends.tolist())), stage_time_s=busy.tolist(),
         comm_hidden_s=hidden,
         working_parts={what: options[what], "a chunk's parameter gradients": chunk_grads,
-                       "the stack's rows gathered over fsdp": resident},
+                       "the stack's rows and shared params gathered over fsdp": resident},
         activation_parts={f"residuals: {slots.res + 1} slots x {lmax} block(s)": stash,
                           "a forward's residuals before their slot": in_transit,
                           "boundary buffers (activations, cotangents)": boundary},

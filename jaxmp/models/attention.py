@@ -37,6 +37,7 @@ CUDNN_MAX_HEAD_DIM = 128
 QUERY_NAMES = ("batch", None, "act_heads", None)
 KV_NAMES = ("batch", None, "act_kv_heads", None)
 
+
 @dataclass(frozen=True)
 class AttentionChoice:
     """The implementation the model is built with, and why (for the run's start-up line)."""

@@ -100,13 +100,18 @@ class DeviceTicks:
                                            for i in range(self.stages)])
 
 
-def pinned(tree: Any, names: list) -> Any:
-    """``tree``'s leaves constrained to their logical ``names`` (None: left alone); a tree
-    whose leaves do not match ``names`` one to one is returned as it is."""
+def _per_leaf(tree: Any, names: list, apply: Any) -> Any:
+    """``apply(leaf, names)`` on each leaf with names (None: left alone); a tree whose leaves
+    do not match ``names`` one to one is returned as it is."""
     flat, treedef = jax.tree.flatten(tree)
     if len(flat) != len(names):
         return tree
-    return treedef.unflatten([sharding.constrain(x, n) if n else x for x, n in zip(flat, names)])
+    return treedef.unflatten([apply(x, n) if n else x for x, n in zip(flat, names)])
+
+
+def pinned(tree: Any, names: list) -> Any:
+    """``tree``'s leaves constrained to their logical ``names``."""
+    return _per_leaf(tree, names, sharding.constrain)
 
 
 def resident(tree: Any, names: list) -> Any:
@@ -117,7 +122,4 @@ def resident(tree: Any, names: list) -> Any:
     docs/planner.md §7). Their gradients are pinned back to the params' names
     (:meth:`DeviceTicks.like_params`): reduce-scattered per microbatch. The memory this holds:
     :func:`jaxmp.plan.pipeline.resident_weight_bytes`."""
-    flat, treedef = jax.tree.flatten(tree)
-    if len(flat) != len(names):
-        return tree
-    return treedef.unflatten([sharding.gathered(x, n) if n else x for x, n in zip(flat, names)])
+    return _per_leaf(tree, names, sharding.gathered)

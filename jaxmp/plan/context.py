@@ -238,10 +238,11 @@ class Context:
             regather = rematted or (lay.in_loop and not (custom and remat == "none"))
             kept = 0.0 if regather else sh.gather_wire
             # Time: the FLOPs the device runs (less what causal kernels skip) at the
-            # achievable rate, plus the memory-bound work at the memory bandwidth: the layer's
-            # fusions and thin matmuls (jaxmp.cost.traffic: saved activations written and read
-            # back among them), or without that count its saved activations written in the
-            # forward and read back in the backward (docs/planner.md §2).
+            # achievable rate, plus the memory-bound work at the memory bandwidth: the saved
+            # activations written in the forward and read back in the backward, and from the
+            # program's count (jaxmp.cost.traffic) the thin matmuls' bytes beyond their FLOPs and
+            # the fusions of XLA's attention (of the embedding / head / loss: all of them;
+            # a block's other fusions are in the efficiency; docs/planner.md §2, §4).
             split = tensor if sh.tensor_dims else 1
             flops = lay.run_flops(remat) * rows / cost.rows / split
             bw = self.profile.memory_bw

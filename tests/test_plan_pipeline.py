@@ -85,8 +85,10 @@ def test_heavy_head_gets_uneven_stages(heavy, capsys):
 
 
 def test_predicted_bubble_is_the_tick_tables(heavy):
-    """The planner's pipeline time is the schedule's: (V·M + P - 1) ticks of the slowest chunk,
-    of which P - 1 are bubble; with equal chunks that is the tick table's lockstep time."""
+    """The planner's pipeline time is the schedule's: (V·M + P - 1) ticks, of which P - 1 are
+    bubble; with equal chunks exactly the tick table's lockstep time, with uneven ones (the
+    heavy head's chunk) an upper bound on it that charges a chunk's excess in its own ticks
+    only (plan.pipeline.lockstep_terms), never above the slowest chunk's pace."""
     config, cost = heavy
     ctx = Context(cost, profile_for("H100"), 8)
     for kind, v, m in (("1f1b", 1, 2), ("1f1b", 1, 8), ("interleaved", 2, 4), ("gpipe", 1, 4)):
@@ -94,17 +96,20 @@ def test_predicted_bubble_is_the_tick_tables(heavy):
         pred = predict(ctx, layout)
         sched = Schedule(kind, 2, m, v)
         pipeline = pred.compute_s + pred.bubble_s + pred.comm_s["tensor"]
-        assert pred.bubble_s / pipeline == pytest.approx(sched.bubble_fraction, rel=1e-9)
-        pace = pipeline / sched.step_units()
-        # Equal chunks of that pace run the table in exactly the planner's time ...
-        assert sched.lockstep_time([pace / 3] * sched.chunks,
-                                   [2 * pace / 3] * sched.chunks) == pytest.approx(pipeline)
-        # ... and the real, uneven chunks never take longer than the planner says.
         ch = chunks(ctx, layout.split)
-        table = ctx.table("none", 4, 1, 1, m)
-        times = [float(table.time[x:y].sum()) for x, y in zip(ch.starts, ch.ends)]
-        exact = sched.lockstep_time([t / 3 for t in times], [2 * t / 3 for t in times])
+        table = ctx.table("none", 4, 1, 1, m, staged=True)
+        times = np.array([float(table.time[x:y].sum()) for x, y in zip(ch.starts, ch.ends)])
+        # Equal chunks at the fastest chunk's pace run the table in exactly units x pace ...
+        pace = pred.bubble_s / (sched.stages - 1)
+        assert pace == pytest.approx(times.min(), rel=1e-9)
+        assert sched.lockstep_time([pace / 3] * sched.chunks, [2 * pace / 3] * sched.chunks) \
+            == pytest.approx(sched.step_units() * pace)
+        # ... and the real, uneven chunks never take longer than the planner says.
+        exact = sched.lockstep_time(list(times / 3), list(2 * times / 3))
         assert exact <= pipeline * (1 + 1e-9)
+        # 1F1B / GPipe on 2 stages: exact; interleaved x 2, chunks 1-19x the lightest: 5.6 %
+        # above the table (the slowest chunk's pace everywhere: 95 % above)
+        assert pipeline <= min(exact * 1.1, sched.step_units() * times.max() * (1 + 1e-9))
         assert pred.comm_bytes["stage"] >= sched.n_ticks * 2 * cost.layers[1].input_bytes / (
             4 * m) - 1e-6  # a send each way at every tick
 

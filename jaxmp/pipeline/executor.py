@@ -12,7 +12,9 @@ own work. One training tick (:class:`_TrainingTicks`) has four phases:
 2. **forward** — one chunk on one microbatch; what its backward needs goes into a slot of the
    residual buffer (:mod:`jaxmp.pipeline.residuals`: never a copy of the parameters, cheap ops
    recomputed); GPipe's last chunk also adds its loss;
-3. **backward** — from those residuals and the output's cotangent; gradients accumulate. With
+3. **backward** — from those residuals and the output's cotangent; gradients accumulate in
+   float32 (at least: each microbatch's 16-bit gradient added into a float32 sum, as the plain
+   accumulation loop sums; a float32 master gets that sum, 16-bit params its cast). With
    1F1B and interleaved the last chunk's forward runs here, fused with its backward and the loss,
    so the logits never wait in a buffer;
 4. **shift** — ``ppermute`` moves each forward's output one device on and each backward's input
@@ -70,11 +72,14 @@ class PipelineExecutor:
         self.train_chunk = Chunk(graphdef, spec, split.max_blocks, last)
         self.eval_chunk = Chunk(graphdef, spec, split.max_blocks, last, train=False)
 
-    def grad_fn(self, rules: Sequence, gather: Any = None) -> Callable:
+    def grad_fn(self, rules: Sequence, gather: Any = None, wide_grads: bool = False
+                ) -> Callable:
         """``(params, rest, batch, key) -> (loss, grads, rest, aux)``: the contract of
         :func:`jaxmp.train.step.make_grad_fn` (token-weighted mean loss). ``gather``: the
         step's :class:`~jaxmp.compression.gather.WeightGather` (fsdp shards cast before they
-        are gathered, as the plain step does)."""
+        are gathered, as the plain step does). Microbatch gradients are summed in float32 (at
+        least), as the plain accumulation loop sums them; ``wide_grads`` returns that sum as
+        is (master weights update in float32), else in each param's dtype."""
 
         def grad_fn(params: Any, rest: Any, batch: dict, key: jax.Array | None = None) -> tuple:
             del key  # the blocks draw no randomness under stages; see docs/pipeline.md
@@ -82,8 +87,8 @@ class PipelineExecutor:
                 self._train_on_device, (P(STAGE), P(), P(), P()),
                 params if gather is None else gather.prepare(params), rest, batch, rules)
             scale = 1.0 / jnp.maximum(weight_sum, 1e-12)
-            # summed in float32 (at least), scaled, then in each param's dtype again
-            grads = jax.tree.map(lambda g, p: (g * scale.astype(g.dtype)).astype(p.dtype),
+            grads = jax.tree.map(lambda g, p: g * scale if wide_grads else
+                                 (g * scale).astype(p.dtype),
                                  join_stack(shared_grads, self.spec.stack, stack_grads), params)
             return loss_sum * scale, grads, rest, {}
 

@@ -12,7 +12,9 @@ own work. One training tick (:class:`_TrainingTicks`) has four phases:
 2. **forward** — one chunk on one microbatch; what its backward needs goes into a slot of the
    residual buffer (:mod:`jaxmp.pipeline.residuals`: never a copy of the parameters, cheap ops
    recomputed); GPipe's last chunk also adds its loss;
-3. **backward** — from those residuals and the output's cotangent; gradients accumulate. With
+3. **backward** — from those residuals and the output's cotangent; gradients accumulate in
+   float32 (at least: each microbatch's 16-bit gradient added into a float32 sum, as the plain
+   accumulation loop sums; a float32 master gets that sum, 16-bit params its cast). With
    1F1B and interleaved the last chunk's forward runs here, fused with its backward and the loss,
    so the logits never wait in a buffer;
 4. **shift** — ``ppermute`` moves each forward's output one device on and each backward's input
@@ -70,21 +72,24 @@ class PipelineExecutor:
         self.train_chunk = Chunk(graphdef, spec, split.max_blocks, last)
         self.eval_chunk = Chunk(graphdef, spec, split.max_blocks, last, train=False)
 
-    def grad_fn(self, rules: Sequence, gather: Any = None) -> Callable:
+    def grad_fn(self, rules: Sequence, gather: Any = None, wide_grads: bool = False
+                ) -> Callable:
         """``(params, rest, batch, key) -> (loss, grads, rest, aux)``: the contract of
         :func:`jaxmp.train.step.make_grad_fn` (token-weighted mean loss). ``gather``: the
         step's :class:`~jaxmp.compression.gather.WeightGather` (fsdp shards cast before they
-        are gathered, as the plain step does)."""
+        are gathered, as the plain step does). Microbatch gradients are summed in float32 (at
+        least), as the plain accumulation loop sums them; ``wide_grads`` returns that sum as
+        is (master weights update in float32), else in each param's dtype."""
 
         def grad_fn(params: Any, rest: Any, batch: dict, key: jax.Array | None = None) -> tuple:
             del key  # the blocks draw no randomness under stages; see docs/pipeline.md
-            if gather is not None:
-                params = gather.prepare(params)
             stack_grads, shared_grads, loss_sum, weight_sum = self._on_stages(
-                self._train_on_device, (P(STAGE), P(), P(), P()), params, rest, batch, rules)
+                self._train_on_device, (P(STAGE), P(), P(), P()),
+                params if gather is None else gather.prepare(params), rest, batch, rules)
             scale = 1.0 / jnp.maximum(weight_sum, 1e-12)
-            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype),
-                                 join_stack(shared_grads, self.spec.stack, stack_grads))
+            grads = jax.tree.map(lambda g, p: g * scale if wide_grads else
+                                 (g * scale).astype(p.dtype),
+                                 join_stack(shared_grads, self.spec.stack, stack_grads), params)
             return loss_sum * scale, grads, rest, {}
 
         return grad_fn
@@ -156,8 +161,8 @@ class _TrainingTicks(DeviceTicks):
             activations=jnp.zeros((program.act_slots + 1,) + zero.shape, zero.dtype),
             residuals=self.stash.empty(program.res_slots + 1),
             cotangents=jnp.zeros((program.ct_slots + 1,) + zero.shape, zero.dtype),
-            stack_grads=self.like_params(jax.tree.map(jnp.zeros_like, self.stack), (None,)),
-            shared_grads=self.like_shared(jax.tree.map(jnp.zeros_like, self.shared)),
+            stack_grads=self.like_params(jax.tree.map(_wide_zeros, self.stack), (None,)),
+            shared_grads=self.like_shared(jax.tree.map(_wide_zeros, self.shared)),
             loss_sum=jnp.float32(0), weight_sum=jnp.float32(0))
 
     def tick(self, state: _Training, t: jax.Array) -> tuple[_Training, None]:
@@ -229,7 +234,7 @@ class _TrainingTicks(DeviceTicks):
         def idle(state: _Training) -> tuple:
             chunk = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), self.stack)
             zero = jnp.float32(0)
-            return (self.like_shared(jax.tree.map(jnp.zeros_like, state.shared_grads)),
+            return (self.like_shared(jax.tree.map(jnp.zeros_like, self.shared)),
                     self.like_params(chunk),
                     zero, zero, self.zero_activation)
 
@@ -238,7 +243,8 @@ class _TrainingTicks(DeviceTicks):
         return state._replace(
             stack_grads=jax.tree.map(lambda acc, g: acc.at[local].add(g.astype(acc.dtype)),
                                      state.stack_grads, chunk_grads),
-            shared_grads=jax.tree.map(jnp.add, state.shared_grads, shared_grads),
+            shared_grads=jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype),
+                                      state.shared_grads, shared_grads),
             loss_sum=state.loss_sum + loss, weight_sum=state.weight_sum + weight), x_cotangent
 
     def _stashed_backward(self, state: _Training, inputs: TickInputs, params: tuple) -> tuple:
@@ -287,6 +293,12 @@ class _TrainingTicks(DeviceTicks):
         stack_grads = jax.tree.map(lambda g: g.reshape((1, -1) + g.shape[2:]), state.stack_grads)
         return (stack_grads, _sum_over_stages(state.shared_grads, self.executor.mesh),
                 jax.lax.psum(state.loss_sum, STAGE), jax.lax.psum(state.weight_sum, STAGE))
+
+
+def _wide_zeros(a: jax.Array) -> jax.Array:
+    """A gradient accumulator for ``a``: float32 (at least), as the plain accumulation loop
+    sums (16-bit sums over many microbatches lose the small gradients)."""
+    return jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32))
 
 
 def _sum_over_stages(tree: Any, mesh: Any) -> Any:

@@ -18,6 +18,13 @@ def itemsize(cost: ModelCost) -> float:
     return float(min(sizes)) if sizes else 4.0
 
 
+def accumulator_width(cost: ModelCost) -> float:
+    """Bytes of the microbatches' gradient sum per stored param byte: float32 at least, with or
+    without a master (:func:`jaxmp.train.step.make_grad_fn`, the pipeline executor) — 2 for
+    16-bit params."""
+    return max(1.0, 4.0 / itemsize(cost))
+
+
 def master_weights_of(configured: str, cost: ModelCost) -> str:
     """``train.master_weights`` decided for ``cost``'s model (its params' dtype)."""
     item = itemsize(cost)

@@ -35,7 +35,7 @@ from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import StageSplit
 from jaxmp.plan.context import Context, zero_divisor
 from jaxmp.plan.layout import Layout
-from jaxmp.plan.master import master_terms
+from jaxmp.plan.master import accumulator_width, master_terms
 from jaxmp.plan.prediction import STEP_STATE_BYTES, Prediction
 
 
@@ -193,8 +193,13 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     m = master_terms(ctx.master_factor, layout, params, virtual * lmax * blk["param_local"]
                      * ctx.opt_ratio[ctx.span[0]] + k.shared_opt, zero_divisor(layout))
     opt = m.optimizer
-    # a master: the float32 grads, the update on the master's slices, the 16-bit params
-    grads = params * m.wide * (1 + 1 / zero_divisor(layout)) + m.copy if m.copy else 2 * params
+    # In the tick loop: the float32 (at least) gradient accumulators and a param-sized array
+    # (the 16-bit params a master is cast to; without one, the update's). After it (the loop's
+    # buffers freed) with a master: the float32 grads, the update on the master's slices and
+    # the 16-bit params.
+    in_loop = params * ctx.cached(("accumulator_width",), lambda: accumulator_width(ctx.cost)) \
+        + (m.copy or params)
+    after = params * m.wide * (1 + 1 / zero_divisor(layout)) + m.copy if m.copy else in_loop
 
     # Buffers, as wide as the busiest device needs (plus the spare slot idle ticks write).
     slots = buffer_slots(schedule)
@@ -216,6 +221,7 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     chunk_grads = lmax * blk["param_local"]
     resident = resident_weight_bytes(blk, fsdp, virtual * lmax, k.shared_gather)
     working = options[what] + chunk_grads + resident
+    grads = max(in_loop, after - acts - working)
     args = m.stored + opt + batch + STEP_STATE_BYTES
     total = args + grads + acts + working
 

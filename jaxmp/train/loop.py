@@ -171,7 +171,7 @@ class Trainer:
             self.layout.graphdef, self.mesh, pipeline, self.stages.schedule, self.stages.split)
         self.grad_fn = None if self.executor is None else self.executor.grad_fn(
             without_data(self.step_rules) if self.reducer is not None else self.step_rules,
-            self.gather)
+            self.gather, wide_grads=self.master is not None)
         # microbatch gradients of the layer stack summed inside the backward (jaxmp.gradsum);
         # the pipeline executor runs its own microbatches
         self.sum_in_backward = self.accumulation > 1 and self.executor is None

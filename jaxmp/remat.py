@@ -12,11 +12,24 @@ import jax
 
 from jaxmp.config import REMAT_POLICY_NAMES
 
+# The names jaxmp's GPT gives its blocks' projection outputs (``jax.ad_checkpoint.checkpoint_name``)
+# for name-based policies. A model without names (a research model of stock ``nnx.Linear``)
+# gives a name-based policy nothing to save: it recomputes the whole layer, as ``"full"``.
+QUERY, KEY, VALUE = "query", "key", "value"  # after their projections, before rotary embedding
+ATTENTION_OUT = "attention_out"  # the output projection's
+MLP_IN = "mlp_in"  # the MLP's wide input projections (up and, with SwiGLU, gate)
+MLP_OUT = "mlp_out"  # the down projection's
+PROJECTIONS = (QUERY, KEY, VALUE, ATTENTION_OUT, MLP_OUT)
+
 REMAT_POLICIES: dict[str, Any] = {
     "none": None,  # no jax.checkpoint at all: keep every residual
     # Keep the projections' outputs (matmuls without batch dims); recompute attention scores,
     # norms and activations, which are cheap in FLOPs but large in bytes.
     "save_dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # MaxText's save_dot_except_mlpwi: keep the projections' outputs but the MLP's wide inputs
+    # (4x-3.5x d_model, two of them with SwiGLU: most of save_dots' bytes), which are
+    # recomputed with their activation, and attention, from the block's input and the kept q/k/v.
+    "save_dots_except_mlp_in": jax.checkpoint_policies.save_only_these_names(*PROJECTIONS),
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole layer
 }
 assert tuple(REMAT_POLICIES) == REMAT_POLICY_NAMES  # the config's names (model.remat)

@@ -119,11 +119,16 @@ def test_each_layer_matches_xla_cost_analysis(mid_cost):
 
 def test_remat_policies_trade_memory_for_recompute(mid_cost):
     block = mid_cost.layers[1]
-    none, dots, full = (block.saved[p].bytes for p in ("none", "save_dots", "full"))
-    assert full < dots < none
+    none, dots, dots_but_mlp, full = (block.saved[p].bytes for p in (
+        "none", "save_dots", "save_dots_except_mlp_in", "full"))
+    assert full < dots_but_mlp < dots < none
     assert full == block.input_bytes  # full remat keeps only the block's input
-    assert block.recompute_flops["none"] == 0
-    assert 0 < block.recompute_flops["save_dots"] < block.recompute_flops["full"]
+    # save_dots less the MLP's 4 x d_model input: the rest (the block's input, q, k, v, the
+    # attention's output) is what save_dots_except_mlp_in keeps
+    assert dots - dots_but_mlp == B * S * MID.mlp_dim * 4
+    recompute = [block.recompute_flops[p] for p in ("none", "save_dots",
+                                                    "save_dots_except_mlp_in", "full")]
+    assert recompute[0] == 0 and 0 < recompute[1] < recompute[2] < recompute[3]
     assert block.recompute_flops["full"] <= block.fwd_flops
 
 

@@ -172,3 +172,58 @@ def test_scanned_layers_save_no_copy_of_their_weights(capsys):
     assert any(line.split()[0] in stacked for line in saved)  # the weights, as arguments
     copies = [line for line in saved if line.split()[0] in stacked and "argument" not in line]
     assert not copies, copies
+
+
+def _saved_shapes(fn, params, capsys) -> list[tuple[int, ...]]:
+    """The shapes of what ``fn``'s backward pass keeps (jax's print_saved_residuals lines,
+    "f32[2,8,16,64] output of ..."), the arguments left out."""
+    capsys.readouterr()
+    print_saved_residuals(fn, params)
+    lines = [x for x in capsys.readouterr().out.splitlines() if "argument" not in x]
+    return [tuple(int(d) for d in x.split()[0].split("[")[1].rstrip("]").split(",") if d)
+            for x in lines]
+
+
+def test_save_dots_except_mlp_in_shards_exactly_and_keeps_the_projections(capsys):
+    """The name-based policy changes no loss or gradient (float32, data2×fsdp2×tensor2 against
+    one device without remat), and the blocks keep what it names and the backward needs — q,
+    k, v, the attention's output — besides the block's input, never the MLP's mlp_dim-wide
+    inputs (save_dots keeps both)."""
+    base = dataclasses.replace(TINY, activation="swiglu")
+    cfg = dataclasses.replace(base, remat="save_dots_except_mlp_in")
+    mesh = jaxmp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    _assert_close(_loss_and_grads(cfg, mesh), _loss_and_grads(base))
+    batch = {k: jnp.asarray(v) for k, v in lm_batch().items()}
+    rows, seq = batch["inputs"].shape
+
+    def layer_residuals(c):
+        graphdef, params = nnx.split(GPT(c, rngs=nnx.Rngs(0)))
+        saved = _saved_shapes(lambda p: lm_loss(nnx.merge(graphdef, p), batch)[0], params,
+                              capsys)
+        return sorted(a[1:] for a in saved if a[:1] == (c.layers,) and
+                      a[1:3] == (rows, seq))  # stacked per-layer activations
+
+    qkv = [(rows, seq, TINY.heads, TINY.head_dim)] * 3
+    wide = [(rows, seq, TINY.mlp_dim)] * 2
+    kept = layer_residuals(cfg)
+    assert kept == sorted(qkv + [(rows, seq, TINY.d_model)] * 2), kept
+    assert sorted(layer_residuals(dataclasses.replace(base, remat="save_dots"))) == sorted(
+        kept + wide)
+
+
+def test_research_layers_without_names_recompute_everything_under_a_name_policy(capsys):
+    """Stock nnx.Linear names nothing: save_dots_except_mlp_in saves what "full" saves (the
+    inputs alone) and computes the same gradients."""
+    mlp = nnx.Sequential(nnx.Linear(8, 32, rngs=nnx.Rngs(0)), jax.nn.gelu,
+                         nnx.Linear(32, 8, rngs=nnx.Rngs(1)))
+    graphdef, params = nnx.split(mlp)
+    x = jnp.ones((4, 8))
+
+    def loss(remat):
+        run = jaxmp.remat.checkpointed(lambda p, x: nnx.merge(graphdef, p)(x), remat)
+        return lambda p: jnp.sum(run(p, x) ** 2)
+
+    kept = {r: _saved_shapes(loss(r), params, capsys)
+            for r in ("save_dots_except_mlp_in", "full", "save_dots")}
+    assert kept["save_dots_except_mlp_in"] == kept["full"] != kept["save_dots"]
+    _assert_close(jax.grad(loss("save_dots_except_mlp_in"))(params), jax.grad(loss("none"))(params))

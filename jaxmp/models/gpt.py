@@ -18,10 +18,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxmp.gradsum import scan_layers
 from jaxmp.models.attention import attend
-from jaxmp.remat import ATTENTION_SCOPE, checkpointed
+from jaxmp.remat import (ATTENTION_OUT, ATTENTION_SCOPE, KEY, MLP_IN, MLP_OUT, QUERY, VALUE,
+                         checkpointed)
 from jaxmp.sharding import constrain, constrain_param, names_of
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class GPTConfig:
     activation: str = "gelu"  # "gelu" | "swiglu"
     tie_embeddings: bool = True
     scan_layers: bool = True
-    remat: str = "none"  # "none" | "save_dots" | "full"
+    remat: str = "none"  # a jaxmp.remat.REMAT_POLICIES name
     attention: str = "xla"  # "xla" | "cudnn" (resolved: jaxmp.models.attention.choose_attention)
     compute_dtype: str = "float32"
     param_dtype: str = "float32"
@@ -164,6 +166,7 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "seq", "act_heads", None))
         k = constrain(k, ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
+        q, k, v = checkpoint_name(q, QUERY), checkpoint_name(k, KEY), checkpoint_name(v, VALUE)
         freqs = rope_frequencies(q.shape[-1] // 2, self.cfg)
         return rope(q, positions, freqs), rope(k, positions, freqs), v
 
@@ -173,7 +176,8 @@ class Attention(nnx.Module):
         with jax.named_scope(ATTENTION_SCOPE):  # the cost model counts XLA's S x S traffic by it
             out = attend(q, k, v, self.implementation)
         out = constrain(out, ("batch", "seq", "act_heads", None))
-        return jnp.einsum("bshk,hkd->bsd", out, self.o[...].astype(dt))
+        return checkpoint_name(jnp.einsum("bshk,hkd->bsd", out, self.o[...].astype(dt)),
+                               ATTENTION_OUT)
 
 
 class MLP(nnx.Module):
@@ -187,13 +191,13 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = x.dtype
-        h = x @ self.up[...].astype(dt)
+        h = checkpoint_name(x @ self.up[...].astype(dt), MLP_IN)
         if self.swiglu:
-            h = jax.nn.silu(x @ self.gate[...].astype(dt)) * h
+            h = jax.nn.silu(checkpoint_name(x @ self.gate[...].astype(dt), MLP_IN)) * h
         else:
             h = jax.nn.gelu(h)
         h = constrain(h, ("batch", "seq", "act_mlp"))
-        return h @ self.down[...].astype(dt)
+        return checkpoint_name(h @ self.down[...].astype(dt), MLP_OUT)
 
 
 class Block(nnx.Module):

@@ -251,14 +251,17 @@ class Context:
                 traffic.seconds(rows, split, self.rate, bw, fused=lay.kind in ("pre", "post"))
                 if traffic is not None else 0.0)
             # Full remat recomputes the forward, with its row-parallel all-reduces (all but the
-            # last: the layer's own output is not needed again).
+            # last: the layer's own output is not needed again); so does a policy keeping no
+            # more than full (a name-based one on a model without names, jaxmp.remat).
+            recomputes_all = remat == "full" or rematted and "full" in lay.saved \
+                and lay.saved[remat].bytes <= lay.saved["full"].bytes
             # (A tied head reads the embedding's table transposed: its rows are columns.)
             row = sh.tensor_weights - sh.row_parallel if self.tied[i] else sh.row_parallel
             column = sh.tensor_weights - row  # their input gradients: all-reduced
             inputs = min(column, max(row, 1))  # distinct inputs of the column-parallel ones
             backward = inputs if self.profile.reassociates_all_reduce and not staged \
                 else column  # (devices.py; measured: not inside a pipeline's ticks, §7)
-            n_all_reduce = row + backward + (max(0, row - 1) if remat == "full" else 0)
+            n_all_reduce = row + backward + (max(0, row - 1) if recomputes_all else 0)
             # An embedding lookup's all-reduce (row-parallel on a vocab-split table) sums the
             # table's rows before the cast to the compute dtype: in the table's dtype.
             wide = sh.row_itemsize / lay.act_itemsize if lay.kind == "pre" and row \

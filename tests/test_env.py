@@ -98,3 +98,20 @@ def test_cuda_plugin_without_a_gpu_is_quiet():
     assert "Traceback" not in r.stderr and "cuInit" not in r.stderr
     assert len(r.stderr.strip().splitlines()) <= 1, r.stderr
     assert " x CPU (" in r.stdout.splitlines()[0]  # it ran, on the CPU
+
+
+def test_gpu_compile_options_order_and_types(monkeypatch):
+    """Every GPU compile gets jaxmp's flags, then the config's, then the user's ``XLA_FLAGS``
+    (last wins), typed as compile options; two collectives may be in flight (a tensor
+    all-reduce must not keep the next layer's fsdp gather waiting: docs/planner.md §7)."""
+    from jaxmp._util.env import gpu_compile_options
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_experimental_parallel_collective_overlap_limit=4 "
+                                    "--xla_force_host_platform_device_count=8")
+    options = gpu_compile_options("--xla_gpu_enable_latency_hiding_scheduler=false")
+    assert options["xla_gpu_experimental_parallel_collective_overlap_limit"] == 4
+    assert options["xla_gpu_enable_latency_hiding_scheduler"] is False
+    assert options["xla_gpu_all_gather_combine_threshold_bytes"] == 2**30
+    assert not any(k.startswith("xla_force") for k in options)
+    monkeypatch.delenv("XLA_FLAGS")
+    assert gpu_compile_options()["xla_gpu_experimental_parallel_collective_overlap_limit"] == 2

@@ -35,7 +35,11 @@ def add_xla_flags(flags: str) -> None:
 # collectives combined, all-gathers up to 1 GiB (a layer's gathered weights: one transfer per
 # layer, started a layer ahead) and not split by dimension. Without the 1 GiB threshold and the
 # combining across dims, 4 of the 16 all-gathers in the 8B GPT's layer loop on 8 H100s had no
-# matmul to hide behind (docs/planner.md). MaxText's GPU configs set the same flags.
+# matmul to hide behind (docs/planner.md). MaxText's GPU configs set the same flags. Two
+# collectives in flight, not XLA's default one: with tensor parallelism the tensor
+# all-reduces held the one slot, so the next layer's pipelined fsdp gather could start only
+# after the layer's last matmul (Llama-3-70B's shape, fsdp 16 x tensor 4, 4 layers: 2 of 4
+# loop all-gathers exposed → 0; docs/planner.md §7 "Stop 28").
 GPU_XLA_FLAGS = (
     "--xla_gpu_enable_latency_hiding_scheduler=true "
     "--xla_gpu_enable_pipelined_all_gather=true "
@@ -46,7 +50,8 @@ GPU_XLA_FLAGS = (
     "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728 "
     "--xla_gpu_all_reduce_combine_threshold_bytes=134217728 "
     "--xla_gpu_enable_all_gather_combine_by_dim=false "
-    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false")
+    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false "
+    "--xla_gpu_experimental_parallel_collective_overlap_limit=2")
 GPU_FLAG_PREFIX = "--xla_gpu_"
 
 

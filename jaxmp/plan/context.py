@@ -259,9 +259,13 @@ class Context:
             row = sh.tensor_weights - sh.row_parallel if self.tied[i] else sh.row_parallel
             column = sh.tensor_weights - row  # their input gradients: all-reduced
             inputs = min(column, max(row, 1))  # distinct inputs of the column-parallel ones
-            backward = inputs if self.profile.reassociates_all_reduce and not staged \
-                else column  # (devices.py; measured: not inside a pipeline's ticks, §7)
-            n_all_reduce = row + backward + (max(0, row - 1) if recomputes_all else 0)
+            backward = inputs if self.profile.reassociates_all_reduce else column  # devices.py
+            # In a pipeline's backward tick XLA's GPU compiler runs the chunk's forward again,
+            # row-parallel all-reduces included, and reassociates the backward's (measured
+            # with cuDNN's attention in the stages, §7 "Stop 28"; XLA:CPU's program does
+            # neither: test_executed). The GPU compiler is the backend that reassociates.
+            again = row if staged and self.profile.reassociates_all_reduce else 0
+            n_all_reduce = row + backward + (max(0, row - 1) if recomputes_all else 0) + again
             # An embedding lookup's all-reduce (row-parallel on a vocab-split table) sums the
             # table's rows before the cast to the compute dtype: in the table's dtype.
             wide = sh.row_itemsize / lay.act_itemsize if lay.kind == "pre" and row \

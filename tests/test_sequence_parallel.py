@@ -103,10 +103,13 @@ def reference():
                                  "train.sequence_parallel=false", devices=one_device()))
 
 
-@pytest.mark.parametrize("axes", [(2, 1, 1, 4), (2, 2, 1, 2)],
-                         ids=["data2xtensor4", "stage2xdata2xtensor2"])
-def test_sequence_parallel_step_equals_one_device(axes, reference):
-    sets = [f"mesh.{a}={n}" for a, n in zip(AXES, axes)] + ["train.sequence_parallel=true"]
+@pytest.mark.parametrize("axes,microbatches", [((2, 1, 1, 4), "auto"), ((2, 2, 1, 2), "auto"),
+                                               ((2, 1, 1, 4), 2)],
+                         ids=["data2xtensor4", "stage2xdata2xtensor2", "data2xtensor4x2mb"])
+def test_sequence_parallel_step_equals_one_device(axes, microbatches, reference):
+    """...and inside the gradient-accumulation loop (microbatches carried: train/step.py)."""
+    sets = [f"mesh.{a}={n}" for a, n in zip(AXES, axes)] + [
+        "train.sequence_parallel=true", f"train.microbatches={microbatches}"]
     trainer = _trainer(*sets)
     assert trainer.plan.layout.sequence_parallel
     assert trainer.executed_layout() == trainer.plan.layout

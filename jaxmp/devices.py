@@ -53,9 +53,9 @@ class DeviceProfile:
     # input before all-reducing them (XLA's all-reduce reassociation on GPUs): one backward
     # all-reduce per row-parallel matrix instead of one per matrix (XLA:CPU).
     reassociates_all_reduce: bool = True
-    # Sequence parallelism inside pipeline stages sends what the planner models (XLA:CPU; on
-    # GPUs the tick loop sends more: the tiny GPT on 64 H100s 12-25 MiB against 4.1 predicted,
-    # docs/planner.md §7), so "auto" may choose it there. (Inside the gradient accumulation
+    # Sequence parallelism inside pipeline stages costs what the planner models (XLA:CPU; on
+    # GPUs the tick loop does not: the tiny GPT on 64 H100s, stage 2 x tensor 4, peak 5.85 MiB
+    # against 4.12 predicted, bytes +12.5 %; docs/planner.md §7), so "auto" may choose it there. (Inside the gradient accumulation
     # loop it holds on GPUs too since the loop carries its microbatch: jaxmp.train.step.)
     sequence_parallel_in_stages: bool = False
     # Memory (HBM) bandwidth, bytes/s (jaxmp.gpu_targets' datasheet figure): the time model

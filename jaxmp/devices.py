@@ -53,11 +53,11 @@ class DeviceProfile:
     # input before all-reducing them (XLA's all-reduce reassociation on GPUs): one backward
     # all-reduce per row-parallel matrix instead of one per matrix (XLA:CPU).
     reassociates_all_reduce: bool = True
-    # The compiler keeps sequence-parallel activations sequence-sharded inside the gradient
-    # accumulation loop (XLA:CPU does; XLA's GPU pipeline keeps them whole there: gpt-1b at
-    # tensor 8 with 4 microbatches, compiled for H100s, peak 29.9 GiB with it on, 29.3 off, and
-    # +47 % collective bytes; with one microbatch on falls to 14.3: docs/planner.md §7).
-    sequence_parallel_in_loops: bool = False
+    # Sequence parallelism inside pipeline stages costs what the planner models (XLA:CPU; on
+    # GPUs the tick loop does not: the tiny GPT on 64 H100s, stage 2 x tensor 4, peak 5.85 MiB
+    # against 4.12 predicted, bytes +12.5 %; docs/planner.md §7), so "auto" may choose it there. (Inside the gradient accumulation
+    # loop it holds on GPUs too since the loop carries its microbatch: jaxmp.train.step.)
+    sequence_parallel_in_stages: bool = False
     # Memory (HBM) bandwidth, bytes/s (jaxmp.gpu_targets' datasheet figure): the time model
     # charges the bytes that only memory moves — saved activations written in the forward and
     # read in the backward, per-microbatch accumulation and casts, the optimizer's update
@@ -99,7 +99,7 @@ PROFILES: dict[str, DeviceProfile] = {
     "CPU": DeviceProfile("CPU", 5e10, 16 * GiB, 1e10, 1e9, devices_per_host=0,
                          usable_fraction=0.8, efficiency=0.5, overlap=False, shared_host=True,
                          upcasts_16bit=True, reassociates_all_reduce=False,
-                         sequence_parallel_in_loops=True),
+                         sequence_parallel_in_stages=True),
 }
 OVERRIDABLE = tuple(f.name for f in dataclasses.fields(DeviceProfile)
                     if f.name not in ("kind", "shared_host", "upcasts_16bit", "overlap"))

@@ -314,34 +314,26 @@ class Context:
                       reduction(sizes, compression, microbatches), wire, compression,
                       reduce_dtype=reduce,
                       optimizer_sharding=self.optimizer_sharding(optimizer, sizes),
-                      sequence_parallel=(self.sp_choices(sizes, microbatches)[-1]
+                      sequence_parallel=(self.sp_choices(sizes)[-1]
                                          if sp is None else sp),
                       master_weights=self.master)
 
-    def sp_choices(self, sizes: Mapping[str, int], microbatches: int = 1) -> tuple[bool, ...]:
+    def sp_choices(self, sizes: Mapping[str, int]) -> tuple[bool, ...]:
         """The sequence parallelism the search tries on a mesh of ``sizes``
-        (:func:`jaxmp.plan.sequence.choices`); "auto" leaves it off in an accumulation loop
-        where the compiler does not keep it (``DeviceProfile.sequence_parallel_in_loops``), and
-        on such a compiler inside pipeline stages too, whose tick loop's extra GPU collectives
-        are not modelled (the README's tiny example on 64 × H100: 12–25 MiB compiled against
-        4.1 predicted, docs/planner.md §7). An explicit ``true`` is built and predicted."""
+        (:func:`jaxmp.plan.sequence.choices`); "auto" leaves it off inside pipeline stages on
+        a compiler whose tick loop sends more than is modelled there
+        (``DeviceProfile.sequence_parallel_in_stages``: the tiny GPT on 64 × H100 at stage 2
+        × tensor 4, peak +42 % and bytes +12.5 % over the prediction, docs/planner.md §7). Inside a gradient
+        accumulation loop it is kept and predicted like one microbatch's (the loop carries its
+        microbatch: jaxmp.train.step). An explicit ``true`` is built and predicted."""
         fsdp, tensor = int(sizes.get("fsdp", 1)), int(sizes.get("tensor", 1))
         every = all(self.shard(i, fsdp, tensor).tensor_weights
                     == self.shard(i, fsdp, tensor).n_matrices
                     for i in self.first if self.cost.layers[i].kind == "block")
-        staged = int(sizes.get("stage", 1)) > 1 and not self.profile.sequence_parallel_in_loops
-        if self.sequence_parallel == "auto" and (
-                staged or not self.sp_kept(sizes, microbatches, True)):
+        staged = int(sizes.get("stage", 1)) > 1 and not self.profile.sequence_parallel_in_stages
+        if self.sequence_parallel == "auto" and staged:
             return (False,)
         return sequence_choices(self.sequence_parallel, tensor, self.seq_len, every)
-
-    def sp_kept(self, sizes: Mapping[str, int], microbatches: int, sp: bool) -> bool:
-        """Whether the compiled step keeps the activations sequence-sharded that ``sp`` asks
-        for: not inside a gradient-accumulation loop on a compiler that gathers them whole
-        there (``DeviceProfile.sequence_parallel_in_loops``); the step then holds them as
-        without sequence parallelism, and is predicted so."""
-        looped = microbatches > 1 and int(sizes.get("stage", 1)) == 1
-        return sp and not (looped and not self.profile.sequence_parallel_in_loops)
 
     def optimizer_sharding(self, tried: str, sizes: Mapping[str, int]) -> str:
         """The optimizer-state sharding a candidate builds: ``tried``, except ``"data"``

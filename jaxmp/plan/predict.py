@@ -58,8 +58,7 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     sizes = layout.sizes
     data, fsdp, tensor = sizes["data"], sizes["fsdp"], sizes["tensor"]
     microbatches = layout.microbatches
-    table = ctx.table(layout.remat, data, fsdp, tensor, microbatches,
-                      ctx.sp_kept(sizes, microbatches, layout.sequence_parallel))
+    table = ctx.table(layout.remat, data, fsdp, tensor, microbatches, layout.sequence_parallel)
     own = np.where(ctx.tied, 0.0, table.param_local)  # tied weights: stored once
     params = float(own.sum())
     zero = zero_divisor(layout)

@@ -216,7 +216,7 @@ def _search(ctx: Context, fixed: Mapping[str, int] | None, remats: Sequence[str]
             for remat in remats:
                 remat_ok = configured_remat is None or remat == configured_remat
                 fitted = False
-                for sp in ctx.sp_choices(sizes, count):  # "auto": off and on, the ranking decides
+                for sp in ctx.sp_choices(sizes):  # "auto": off and on, the ranking decides
                     for zero, zero_ok in optimizer_choices(optimizer_sharding, sizes["data"]):
                         layout = ctx.layout(sizes, remat, count, kind, virtual, zero, sp)
                         pred = predict(ctx, layout)

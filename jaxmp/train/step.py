@@ -144,6 +144,18 @@ def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, key: jax.A
     Microbatch j takes rows j, j+k, j+2k, ... so that every device keeps contributing to every
     microbatch (the batch dim is sharded in contiguous blocks). ``micro_into`` (the sum in,
     the sum out) adds inside the backward pass instead of after it.
+
+    Each iteration's microbatch arrives in the loop's carry (sliced one iteration ahead), not
+    as the scan's per-iteration input. Why: XLA's GPU collective pipeliner (backward, on with
+    ``--xla_gpu_enable_pipelined_all_gather``, which jaxmp sets for fsdp's layer loops) moves an
+    all-gather to the previous iteration when its operand depends only on the loop's
+    invariants and the iteration's slice of an input — which, in this loop, every activation
+    does. With sequence parallelism it took the head's gather of the final hidden state: the
+    whole forward of the next microbatch ran a second time in each iteration to feed it, and
+    the gathered ``[batch, seq, embed]`` stream rode in the carry (gpt-1b, tensor 8, 4
+    microbatches on deviceless H100s: peak 29.9 GiB, +47 % collective bytes; with the carry
+    14.5 GiB, as one microbatch; docs/planner.md §7). A carried value is not loop-invariant,
+    so nothing that depends on the microbatch is pipelined across iterations.
     """
 
     def split(x: jax.Array) -> jax.Array:
@@ -157,19 +169,23 @@ def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, key: jax.A
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)),
                          params)
 
-    def body(carry: tuple, xs: tuple) -> tuple:
-        loss_sum, w_sum, g_sum, rest = carry
-        mb, j = xs
+    def pick(j: jax.Array) -> dict:  # microbatch j
+        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False),
+                            micro_batches)
+
+    def body(carry: tuple, j: jax.Array) -> tuple:
+        loss_sum, w_sum, g_sum, rest, mb = carry
+        upcoming = pick(jnp.minimum(j + 1, k - 1))  # the next iteration's (the last: again)
         mb_key = jax.random.fold_in(key, j)
         if micro_into is not None:
             wloss, weight, g_sum, rest, aux = micro_into(params, rest, mb, mb_key, g_sum)
         else:
             wloss, weight, grads, rest, aux = micro(params, rest, mb, mb_key)
             g_sum = jax.tree.map(jnp.add, g_sum, grads)
-        return (loss_sum + wloss, w_sum + weight, g_sum, rest), aux
+        return (loss_sum + wloss, w_sum + weight, g_sum, rest, upcoming), aux
 
-    init = (jnp.float32(0.0), jnp.float32(0.0), zeros, rest)
-    (loss, weight, grads, rest), aux = jax.lax.scan(body, init, (micro_batches, jnp.arange(k)))
+    init = (jnp.float32(0.0), jnp.float32(0.0), zeros, rest, pick(jnp.int32(0)))
+    (loss, weight, grads, rest, _), aux = jax.lax.scan(body, init, jnp.arange(k))
     return loss, weight, grads, rest, jax.tree.map(lambda a: a.mean(0), aux)
 
 

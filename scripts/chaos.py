@@ -152,18 +152,14 @@ def wait_for_moment(run: Run, kind: str, ckdir: Path, rng: random.Random,
     return False
 
 
-def digests(run_dirs: list[Path], step: int) -> list[dict[str, str]]:
-    """Each run's arrays at ``step`` by sha256, one `jaxmp ckpt inspect` per run, side by side."""
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxmp.cli", "ckpt", "inspect", str(d),
-                               "--step", str(step), "--digest", "--json"], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
-             for d in run_dirs]
-    outs = [p.communicate() for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        if p.returncode:
-            raise SystemExit(f"chaos: jaxmp ckpt inspect failed: {err.strip()}")
-    return [{p: a["sha256"] for p, a in json.loads(out)["arrays"].items()} for out, _ in outs]
+def digests(run_dir: Path, step: int) -> dict[str, str]:
+    out = subprocess.run([sys.executable, "-m", "jaxmp.cli", "ckpt", "inspect", str(run_dir),
+                          "--step", str(step), "--digest", "--json"], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu",
+                                                              "PYTHONPATH": str(ROOT)})
+    if out.returncode:
+        raise SystemExit(f"chaos: jaxmp ckpt inspect failed: {out.stderr.strip()}")
+    return {p: a["sha256"] for p, a in json.loads(out.stdout)["arrays"].items()}
 
 
 def metrics(run_dir: Path) -> tuple[list[dict], int]:
@@ -298,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     report["final_step"] = final[-1] if final else None
     ok = report.get("final") == "finished" and report["final_step"] == args.steps
     if ok:
-        want, got = digests([ref_dir, work / "chaos"], args.steps)
+        want, got = digests(ref_dir, args.steps), digests(work / "chaos", args.steps)
         report["arrays"] = len(want)
         report["arrays_equal"] = sum(got.get(k) == v for k, v in want.items())
         report["arrays_by_part"] = {part: sum(k.split("/")[0] == part for k in want)

@@ -44,26 +44,11 @@ def _digests(run_dir, step=None) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The reference run, started at once and left running beside the test's own run (each
-    process mostly keeps one core busy); ``uninterrupted()`` waits for it: its run dir."""
     run = tmp_path_factory.mktemp("uninterrupted")
-    # its output to a file, not a pipe that would fill (and stop it) while nobody reads it
-    log = (tmp_path_factory.mktemp("uninterrupted-log") / "out.txt").open("w+")
-    proc = subprocess.Popen(jaxmp_cmd("train", *TRAIN, "--run-dir", str(run)), cwd=REPO,
-                            env=subprocess_env(8), stdout=log, stderr=subprocess.STDOUT)
-
-    def finished():
-        if proc.returncode is None:
-            proc.wait(timeout=300)
-            log.seek(0)
-            assert proc.returncode == 0, log.read()[-3000:]
-        return run
-
-    yield finished
-    if proc.poll() is None:  # a test failed before waiting
-        proc.kill()
-        proc.wait()
-    log.close()
+    proc = _train(run)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return run
 
 
 def test_jaxmp_train_sigterm_saves_exits_0_and_resumes_bitwise(uninterrupted, tmp_path):
@@ -88,16 +73,15 @@ def test_jaxmp_train_sigterm_saves_exits_0_and_resumes_bitwise(uninterrupted, tm
     assert proc.returncode == 0, err
     assert f"resuming from checkpoint step {stopped}" in err
     assert _logged_steps(tmp_path) == list(range(1, STEPS + 1))  # nothing repeated or skipped
-    assert _digests(tmp_path, STEPS) == _digests(uninterrupted(), STEPS)  # every bit
+    assert _digests(tmp_path, STEPS) == _digests(uninterrupted, STEPS)  # every bit
 
 
 def test_restore_in_a_fresh_process_that_never_imports_the_model(uninterrupted):
-    run = uninterrupted()
     code = (
         "import json, sys, jax, jaxmp\n"
         "from jaxmp import checkpoint\n"
         "mesh = jaxmp.make_mesh({'tensor': 2}, jax.devices()[:2])\n"
-        f"params = checkpoint.restore({str(run)!r}, mesh=mesh)\n"
+        f"params = checkpoint.restore({str(uninterrupted)!r}, mesh=mesh)\n"
         "assert params['embed'].sharding.spec == jax.sharding.PartitionSpec('tensor')\n"
         "loaded = sorted(m for m in sys.modules if m.startswith(('jaxmp.models', 'jaxmp.train',"
         " 'jaxmp.recipes')))\n"
@@ -107,7 +91,7 @@ def test_restore_in_a_fresh_process_that_never_imports_the_model(uninterrupted):
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["loaded"] == []
-    want = {p: d for p, d in _digests(run).items() if p.startswith("params/")}
+    want = {p: d for p, d in _digests(uninterrupted).items() if p.startswith("params/")}
     assert result["digest"] == want
 
 

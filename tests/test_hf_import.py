@@ -480,27 +480,12 @@ def test_the_docs_walkthrough_runs_as_written(tmp_path):
     train_bpe(docs, 512).save(str(tmp_path / folder / "tokenizer.json"))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "PYTHONPATH": str(DOC.parent.parent)}
-    # In the block's order, except that `data prepare` (it reads only the tokenizer) runs beside
-    # the commands before it: two processes on two cores. Its output is taken up in its place.
-    prepare = next(i for i, c in enumerate(commands) if c[1:3] == ["data", "prepare"])
-    started = subprocess.Popen([sys.executable, "-m", "jaxmp.cli", *commands[prepare][1:]],
-                               cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
     outputs = []
-    try:
-        for i, cmd in enumerate(commands[1:], 1):
-            if i == prepare:
-                out, err = started.communicate(timeout=900)
-                r = subprocess.CompletedProcess(cmd, started.returncode, out, err)
-            else:
-                r = subprocess.run([sys.executable, "-m", "jaxmp.cli", *cmd[1:]], cwd=tmp_path,
-                                   env=env, capture_output=True, text=True, timeout=900)
-            assert r.returncode == 0, (cmd, r.stderr[-2000:])
-            outputs.append(r.stdout)
-    finally:
-        if started.poll() is None:  # an earlier command failed
-            started.kill()
-            started.communicate()
+    for cmd in commands[1:]:
+        r = subprocess.run([sys.executable, "-m", "jaxmp.cli", *cmd[1:]], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, (cmd, r.stderr[-2000:])
+        outputs.append(r.stdout)
     run = tmp_path / "runs" / "qwen"
     assert outputs[1].startswith("The planner") and outputs[4].startswith("The planner")
     plan = json.loads((run / "plan.json").read_text())

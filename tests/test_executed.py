@@ -16,7 +16,8 @@ from jaxmp.hlo import collective_stats
 from jaxmp.hlo.branches import one_branch_bytes
 from jaxmp.hlo.executed import executed_bytes, module_name, trace_counts
 from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
-from jaxmp.tools.bench import Row, measure_row, plan_strategy, random_batch
+from jaxmp.tools.bench import measure_row, plan_strategy, random_batch
+from jaxmp.tools.bench_rows import Row
 from jaxmp.tools.strategies import parse_strategies
 
 STRATEGIES = "dp,fsdp,tensor,fsdp+tensor,dp+fsdp,stage,auto"  # scripts/studies/strategies.py

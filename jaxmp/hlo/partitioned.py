@@ -38,7 +38,10 @@ def partitioned_text(lowered: Any) -> str:
                 "xla_dump_to": tmp, "xla_dump_hlo_as_text": True,
                 "xla_dump_hlo_pass_re": "spmd-partitioning|all-reduce-promotion|"
                                         "float-normalization",
-                "xla_debug_buffer_assignment_show_max": nonce})
+                "xla_debug_buffer_assignment_show_max": nonce,
+                # only the HLO text is wanted: skip the backend's code optimization (half the
+                # compile time; the partitioned module is the same text)
+                "xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True})
             files = sorted(Path(tmp).glob("*.txt"))
             texts = {f.name: f.read_text() for f in files}
     finally:

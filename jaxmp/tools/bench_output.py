@@ -12,7 +12,7 @@ from jaxmp._util.io import atomic_write
 from jaxmp.errors import MissingDependency
 from jaxmp.hlo import KINDS
 from jaxmp.tools import charts
-from jaxmp.tools.bench import Bench, Row
+from jaxmp.tools.bench_rows import Bench, Row
 
 CHARTS = ("memory.png", "collectives.png", "step_time.png")
 

@@ -390,17 +390,3 @@ def _saved_divisor(tdims: frozenset[int], tensor: int, seq: int = 0):
         return tensor if hit or seq_split else 1
 
     return divisor
-
-
-def overlapped(comm: np.ndarray, compute: np.ndarray, first: float, overlap: bool
-               ) -> tuple[float, float]:
-    """``(exposed, hidden)`` seconds of per-layer collectives ``comm`` beside per-layer
-    ``compute``, as XLA's latency-hiding scheduler runs them: layer i's collectives (gathering
-    the next layer's weights, reducing its own gradients) run while a layer computes, so only
-    what is longer than that compute shows, plus ``first`` — the first weight gather, which
-    nothing precedes. Without ``overlap`` (the CPU backend) everything shows."""
-    total = float(comm.sum())
-    if not overlap:
-        return total, 0.0
-    exposed = min(total, float(np.maximum(comm - compute, 0.0).sum()) + first)
-    return exposed, total - exposed

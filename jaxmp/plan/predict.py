@@ -33,7 +33,7 @@ predicts the rest, where every device runs every layer:
   saved activations written and read back, per-microbatch weight casts and float32
   accumulation, the optimizer's update (:func:`fixed_memory_time`); tensor
   all-reduces on the critical path; fsdp and data collectives overlapped layer by layer with
-  compute where the backend does that (:func:`~jaxmp.plan.context.overlapped`).
+  compute where the backend does that (:func:`overlapped`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxmp.mesh import AXES
-from jaxmp.plan.context import Context, LayerTable, overlapped, zero_divisor
+from jaxmp.plan.context import Context, LayerTable, zero_divisor
 from jaxmp.plan.layout import Layout
 from jaxmp.plan.master import MasterTerms, master_terms
 from jaxmp.plan.pipeline import predict_pipeline
@@ -207,3 +207,17 @@ def backward_phases(table: LayerTable, in_loop: np.ndarray, tied: np.ndarray,
     live = np.cumsum(kept) + np.where(in_loop, after(kept * in_loop), 0.0)
     grads = after(held) + np.where(in_loop, np.cumsum(held * in_loop), 0.0)
     return Phases(live, grads, live + grads + table.work)
+
+
+def overlapped(comm: np.ndarray, compute: np.ndarray, first: float, overlap: bool
+               ) -> tuple[float, float]:
+    """``(exposed, hidden)`` seconds of per-layer collectives ``comm`` beside per-layer
+    ``compute``, as XLA's latency-hiding scheduler runs them: layer i's collectives (gathering
+    the next layer's weights, reducing its own gradients) run while a layer computes, so only
+    what is longer than that compute shows, plus ``first`` — the first weight gather, which
+    nothing precedes. Without ``overlap`` (the CPU backend) everything shows."""
+    total = float(comm.sum())
+    if not overlap:
+        return total, 0.0
+    exposed = min(total, float(np.maximum(comm - compute, 0.0).sum()) + first)
+    return exposed, total - exposed

@@ -29,6 +29,15 @@ def _steps(batch: int, runs: list[tuple[str, int]], model: str = "gpt-1b",
     return {run: predict(ctx, ctx.layout(ONE, *run)).step_time_s for run in runs}
 
 
+# Measured on the H200 before stop 28 recomputed the block's norms and GELU in the backward
+# (jaxmp.models.gpt.recomputed): remat none then stored their float32 / tanh intermediates. The
+# time model now charges remat none less traffic and ranks it ahead; what the H200 does with
+# the new program is not measured yet (no GPU at stop 28): re-measure, then re-derive.
+RECOMPUTE_UNMEASURED = pytest.mark.xfail(
+    strict=True, reason="H200 measured before the block's norms and GELU were recomputed")
+
+
+@RECOMPUTE_UNMEASURED
 def test_remat_ranking_at_batch_8_is_the_h200s():
     # Measured (ms): save_dots 295 < none 319 < full 339.
     t = _steps(8, [("save_dots", 1), ("none", 1), ("full", 1)])
@@ -38,6 +47,7 @@ def test_remat_ranking_at_batch_8_is_the_h200s():
         assert t[run] == pytest.approx(measured, rel=0.10), run
 
 
+@RECOMPUTE_UNMEASURED
 def test_auto_at_batch_16_picks_what_ran_fastest():
     # Measured (ms): save_dots x1 567 < save_dots x2 598 < full 649 < none x2 698 (the
     # planner's choice before the memory-traffic terms).
@@ -66,6 +76,7 @@ def test_xla_attention_pays_for_its_score_traffic():
     assert xla > 1.25 * 0.295
 
 
+@RECOMPUTE_UNMEASURED
 def test_gpt2_small_remat_ranking_is_the_h200s():
     # Measured (ms, batch 32 x 1024): save_dots 70.4 < full 72.1 < none 81.4; predicted within
     # -20 % (small models' elementwise work is not all charged: docs/planner.md §4). full and

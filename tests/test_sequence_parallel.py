@@ -286,7 +286,9 @@ def test_gpu_compiler_peak_as_predicted_with_and_without():
     """8 deviceless H100s, data2 x tensor4, 4 layers of width 2048 at sequence 2048 in bf16:
     the GPU compiler's per-device peak within ±10 % of the prediction with sequence
     parallelism off and on; on, the block's all-reduces are reduce-scatters + all-gathers and
-    the peak falls; the collective bytes within ±5 % of the prediction both ways."""
+    the peak falls (11 %: 2.19 -> 1.94 GB; 24 % while the norms kept float32 copies of the
+    residual stream, which sequence parallelism splits); the collective bytes within ±5 % of
+    the prediction both ways."""
     topo = gpu_topology(8, "H100")
     sets = ["model.layers=4", "model.d_model=2048", "model.heads=16", "model.vocab_size=1024",
             "model.compute_dtype=bfloat16", "data.seq_len=2048", "data.source=synthetic",
@@ -305,7 +307,7 @@ def test_gpu_compiler_peak_as_predicted_with_and_without():
         assert plan.predicted.comm_bytes_per_step == pytest.approx(m.collectives.total_bytes,
                                                                    rel=0.05)
         peaks.append(m.peak_bytes)
-    assert peaks[1] < 0.85 * peaks[0]
+    assert peaks[1] < 0.92 * peaks[0]
 
 
 @pytest.mark.skipif(not cuda_plugin_installed(),
@@ -314,7 +316,7 @@ def test_gpu_compiler_peak_as_predicted_with_and_without():
 def test_gpu_compiler_keeps_it_inside_the_accumulation_loop():
     """8 deviceless H100s, tensor 8, 2 microbatches: the GPU compiler's collective bytes as
     predicted for sequence parallelism (±5 %) and its peak well under the prediction without
-    it. Before the loop carried its microbatch (jaxmp.train.step), XLA's collective pipeliner
+    it (0.75 / 0.87 GB). Before the loop carried its microbatch (jaxmp.train.step), XLA's collective pipeliner
     re-ran the next microbatch's forward to gather the head's input an iteration early: bytes
     +47 % and a peak above sequence parallelism off (docs/planner.md §7). (The peak itself is
     under-predicted at this depth, as with one microbatch: the head's whole-sequence buffers
@@ -332,7 +334,7 @@ def test_gpu_compiler_keeps_it_inside_the_accumulation_loop():
     assert plan.predicted.comm_bytes_per_step == pytest.approx(m.collectives.total_bytes,
                                                                rel=0.05)
     without = gpt_plan(off, 8, device_kind="H100", platform="cuda").predicted
-    assert m.peak_bytes < 0.8 * without.per_device_bytes
+    assert m.peak_bytes < 0.9 * without.per_device_bytes  # measured 0.85
 
 
 def test_nemo_gpt3_175b_layout_with_sequence_parallelism():

@@ -183,13 +183,9 @@ PUBLISHED_BF16: tuple[PublishedRun, ...] = (
          "train.optimizer_sharding": "data", "train.sequence_parallel": "true"},
         2.83, "92,630 tokens/s (62.1 % MFU, BF16)",
         notes=("squared-ReLU MLP costed as jaxmp's gelu MLP: the same matmuls",),
-        xfail_fit="91.7 GiB: remat none saves 2.5 GiB per layer here (deviceless 16 x H100 "
-                  "at 4 / 8 layers: 20.9 / 31.2 GiB compiled, 21.0 / 31.1 predicted), Megatron "
-                  "with Transformer Engine about 0.8 (34 sbh/t); sequence parallelism holds "
-                  "inside the accumulation loop since it carries its microbatch",
-        xfail_time="predicted 51 % slow: compute 3.6 s at the H100's 0.45 efficiency "
+        xfail_time="predicted 48 % slow: compute 3.4 s at the H100's 0.45 efficiency "
                    "where this run reached 62.1 % MFU end to end (0.55 of peak in jaxmp's "
-                   "FLOP count), and the tensor collectives (0.35 s) and the data reduction "
+                   "FLOP count), and the tensor collectives (0.44 s) and the data reduction "
                    "after the microbatches (0.35 s) exposed, as jaxmp's XLA program runs "
                    "them; Megatron overlaps them with compute"),
     PublishedRun(

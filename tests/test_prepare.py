@@ -121,11 +121,13 @@ def test_meta_json_drives_the_vocab_size_and_dtype(tmp_path, capsys):
     assert rc == 2 and "\n" not in err and "model.vocab_size" in err, err
 
 
-def _one_line_exit_2(capsys, args: list[str], needle: str) -> None:
+def _one_line_exit_2(capsys, args: list[str]) -> str:
+    """The error `jaxmp prepare ARGS` prints, after checking it exits 2 with one line."""
     capsys.readouterr()
     assert prepare_cli(*args) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and needle in err and "Traceback" not in err, err
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
 
 
 def test_bad_inputs_are_one_clear_line(tmp_path, capsys, monkeypatch):
@@ -145,7 +147,8 @@ def test_bad_inputs_are_one_clear_line(tmp_path, capsys, monkeypatch):
         ([str(good), "--val-fraction", "1.5"], "--val-fraction"),
     ]
     for args, needle in cases:
-        _one_line_exit_2(capsys, [*args, "--out", out], needle)
+        err = _one_line_exit_2(capsys, [*args, "--out", out])
+        assert needle in err, (args, err)
     real_open = open
 
     def unreadable(path, *a, **k):
@@ -154,7 +157,8 @@ def test_bad_inputs_are_one_clear_line(tmp_path, capsys, monkeypatch):
         return real_open(path, *a, **k)
 
     monkeypatch.setattr(prep, "open", unreadable, raising=False)  # root ignores chmod 000
-    _one_line_exit_2(capsys, [str(good), "--out", out], "doc0.txt: cannot read: Permission denied")
+    err = _one_line_exit_2(capsys, [str(good), "--out", out])
+    assert "doc0.txt: cannot read: Permission denied" in err, err
 
 
 def test_a_failed_prepare_leaves_the_previous_folder_intact(tmp_path, capsys):
@@ -163,8 +167,9 @@ def test_a_failed_prepare_leaves_the_previous_folder_intact(tmp_path, capsys):
     assert prepare_cli(str(corpus), "--out", str(out), "--tokenizer", "bpe:300") == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     (corpus / "zz.txt").write_bytes(b"ok\n\xff\xfe broken\n")  # fails late, while encoding
-    _one_line_exit_2(capsys, [str(corpus), "--out", str(out), "--tokenizer",
-                              str(out / "tokenizer.json")], "zz.txt: not UTF-8")
+    err = _one_line_exit_2(capsys, [str(corpus), "--out", str(out), "--tokenizer",
+                                    str(out / "tokenizer.json")])
+    assert "zz.txt: not UTF-8" in err, err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no .tmp, nothing changed
 
 

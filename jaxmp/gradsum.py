@@ -91,3 +91,9 @@ def scan_layers(body: Callable[[Any, Any], tuple[Any, Any]], x: Any, stacked: An
     (x, sums), _ = jax.lax.scan(step, (x, start), (leaves, jnp.arange(n)))
     out.update({id(leaves[k]): s for k, s in zip(tapped, sums)})
     return x
+
+
+def accumulator(a: jax.Array) -> jax.Array:
+    """Zeros to sum microbatch gradients of ``a`` into: float32 (at least) — 16-bit sums over
+    many microbatches lose the small gradients (the plain loop and the pipeline executor)."""
+    return jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32))

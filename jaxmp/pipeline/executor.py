@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxmp import sharding
+from jaxmp import gradsum, sharding
 from jaxmp.pipeline.chunk import Chunk, PipelineSpec, join_stack, split_stack
 from jaxmp.pipeline.residuals import stash_layout, stash_policy, vjp_without_params
 from jaxmp.pipeline.schedule import Schedule
@@ -161,8 +161,9 @@ class _TrainingTicks(DeviceTicks):
             activations=jnp.zeros((program.act_slots + 1,) + zero.shape, zero.dtype),
             residuals=self.stash.empty(program.res_slots + 1),
             cotangents=jnp.zeros((program.ct_slots + 1,) + zero.shape, zero.dtype),
-            stack_grads=self.like_params(jax.tree.map(_wide_zeros, self.stack), (None,)),
-            shared_grads=self.like_shared(jax.tree.map(_wide_zeros, self.shared)),
+            stack_grads=self.like_params(jax.tree.map(gradsum.accumulator, self.stack),
+                                         (None,)),
+            shared_grads=self.like_shared(jax.tree.map(gradsum.accumulator, self.shared)),
             loss_sum=jnp.float32(0), weight_sum=jnp.float32(0))
 
     def tick(self, state: _Training, t: jax.Array) -> tuple[_Training, None]:
@@ -294,11 +295,6 @@ class _TrainingTicks(DeviceTicks):
         return (stack_grads, _sum_over_stages(state.shared_grads, self.executor.mesh),
                 jax.lax.psum(state.loss_sum, STAGE), jax.lax.psum(state.weight_sum, STAGE))
 
-
-def _wide_zeros(a: jax.Array) -> jax.Array:
-    """A gradient accumulator for ``a``: float32 (at least), as the plain accumulation loop
-    sums (16-bit sums over many microbatches lose the small gradients)."""
-    return jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32))
 
 
 def _sum_over_stages(tree: Any, mesh: Any) -> Any:

@@ -166,8 +166,7 @@ def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, key: jax.A
         return sharding.constrain(mb, names)
 
     micro_batches = jax.tree.map(split, batch)
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)),
-                         params)
+    zeros = jax.tree.map(gradsum.accumulator, params)
 
     def pick(j: jax.Array) -> dict:  # microbatch j
         return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False),

@@ -119,9 +119,10 @@ class Chunk:
     """
 
     def __init__(self, graphdef: Any, spec: PipelineSpec, max_blocks: int, last_chunk: int,
-                 train: bool = True):
+                 train: bool = True, padded: bool = True):
         self.graphdef, self.spec = graphdef, spec
         self.max_blocks, self.last_chunk, self.train = max_blocks, last_chunk, train
+        self.padded = padded  # some chunk has fewer than max_blocks blocks
 
     def model(self, params: tuple, rest: Any) -> nnx.Module:
         """The whole model with this chunk's rows as its stack (only they are ever run)."""
@@ -138,7 +139,13 @@ class Chunk:
         through the first ``n_blocks`` of the ``Lmax`` rows; each block under the spec's remat
         policy, its input named :data:`~jaxmp.pipeline.residuals.BLOCK_INPUT`. Without remat,
         each block under the stash's policy (:func:`jaxmp.remat.stash_keeps`): what it does not
-        keep is recomputed in that block's backward step, not for the whole chunk at once."""
+        keep is recomputed in that block's backward step, not for the whole chunk at once.
+
+        Padding rows (only where some chunk has fewer blocks: ``padded``) are skipped with a
+        ``lax.cond``. Without padding there is none: a stashed chunk's backward re-runs its
+        forward scan under the stash's checkpoint, and through a ``cond`` every kept residual
+        came out as a fresh copy, restacked beside the slot it was read from (GPU-compiled,
+        stage 2 x fsdp 4: 16 MiB of a 2-block chunk, docs/planner.md §7 "Stop 29")."""
         graph = block_graphdef(model, self.spec)  # in the model's mode (train / eval)
         block = lambda h, layer: nnx.merge(graph, layer)(h)  # noqa: E731
         run = checkpointed(block, self.spec.remat) if self.spec.remat != "none" \
@@ -147,6 +154,8 @@ class Chunk:
         def body(h: jax.Array, row: tuple) -> tuple[jax.Array, None]:
             index, layer = row
             h = checkpoint_name(h, BLOCK_INPUT)
+            if not self.padded:
+                return run(h, layer), None
             return jax.lax.cond(index < n_blocks, run, lambda h, _: h, h, layer), None
 
         return jax.lax.scan(body, x, (jnp.arange(self.max_blocks), chunk_params))[0]

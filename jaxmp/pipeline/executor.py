@@ -69,8 +69,10 @@ class PipelineExecutor:
                                    for column in PROGRAM_COLUMNS))
         self.blocks_per_chunk = jnp.asarray(split.counts)  # [P, V]
         last = schedule.chunks - 1
-        self.train_chunk = Chunk(graphdef, spec, split.max_blocks, last)
-        self.eval_chunk = Chunk(graphdef, spec, split.max_blocks, last, train=False)
+        padded = min(split.per_chunk) < split.max_blocks
+        self.train_chunk = Chunk(graphdef, spec, split.max_blocks, last, padded=padded)
+        self.eval_chunk = Chunk(graphdef, spec, split.max_blocks, last, train=False,
+                                padded=padded)
 
     def grad_fn(self, rules: Sequence, gather: Any = None, wide_grads: bool = False
                 ) -> Callable:

@@ -97,7 +97,8 @@ def test_a_strategy_that_cannot_run_says_why(bench):
     assert stage["collective_bytes"]["collective-permute"] > 0
     # measured as each device executed it, and predicted within the others' bounds
     assert stage["collectives_from"] == "executed"
-    assert abs(stage["predicted"]["rel_err"]["peak_bytes"]) < 0.15, stage["predicted"]
+    # peak: -0.25 % on jax 0.10.2 since stop 29 (no padding cond in unpadded chunks)
+    assert abs(stage["predicted"]["rel_err"]["peak_bytes"]) < 0.10, stage["predicted"]
     assert abs(stage["predicted"]["rel_err"]["collective_bytes_total"]) < 0.10, stage["predicted"]
     assert stage["layout"]["schedule"] and stage["layout"]["split"]["n_blocks"] == 2
 

@@ -220,7 +220,8 @@ def test_pipeline_options_errors():
 @pytest.mark.slow
 def test_verify_a_pipeline_plan(capsys):
     """`jaxmp plan --verify` compiles the pipeline executor on 8 CPU devices: argument bytes
-    exact; peak within 30 % (the CPU program's); collectives reported as compiled."""
+    exact; peak within 10 % (the CPU program's: +3.2 % on jax 0.10.2 and 0.12 at stop 29;
+    the bound was 30 %); collectives reported as compiled."""
     argv = ["plan", "--devices", "8", "--simulate-devices", "8", "--verify", "--json"]
     for s in SMALL + ["mesh.stage=2", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1",
                       "pipeline.schedule=1f1b", "train.microbatches=2"]:
@@ -230,7 +231,7 @@ def test_verify_a_pipeline_plan(capsys):
     v = out["verify"]
     assert out["mesh"]["stage"] == 2
     assert v["argument_bytes"]["rel_err"] < 0.05, v
-    assert v["peak_bytes"]["rel_err"] < 0.30, v
+    assert v["peak_bytes"]["rel_err"] < 0.10, v
     assert v["comm_bytes_per_step"]["compiled"] > 0 and np.isfinite(
         v["comm_bytes_per_step"]["predicted"])
     assert v["layout"] == "as planned"

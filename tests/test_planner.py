@@ -13,6 +13,7 @@ import pytest
 
 from jaxmp import load_config
 from jaxmp.cli import main
+from jaxmp.cli.plan import planned_platform
 from jaxmp.devices import DeviceProfile, match_kind, profile_for, profile_from_config
 from jaxmp.errors import ConfigError, PlanError, UnknownDeviceError
 from jaxmp.plan import InfeasibleError, balance_stages, make_plan, plan, stage_sums
@@ -255,6 +256,22 @@ def test_cli_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert {"mesh", "stages", "predicted", "alternatives", "planning_time_s"} <= set(out)
     assert len(out["alternatives"]) <= 3 and out["device"]["kind"] == "H100"
+
+
+def test_cli_plans_the_kernels_of_the_gpus_it_plans_for(capsys):
+    """``jaxmp plan --device-kind H100`` on a machine without one plans what ``jaxmp train``
+    runs on the H100s — cuDNN's attention with bf16 — not what this CPU could run; with
+    ``--verify`` (no ``--aot``) the plan is for the devices here, which compile it."""
+    bf16 = [*sum((["--set", s] for s in SMALL), []), "--set", "model.compute_dtype=bfloat16"]
+    assert _run_cli("--devices", "8", "--device-kind", "H100", "--json", "--top", "1",
+                    *bf16) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["attention"] == "cudnn"
+    config = load_config(None)
+    assert planned_platform(config, "NVIDIA A100-SXM4-80GB", True) == "cuda"
+    assert planned_platform(load_config(None, ["device.kind=H200"]), None, True) == "cuda"
+    assert planned_platform(config, "H100", False) is None  # --verify here
+    assert planned_platform(config, "CPU", True) is None
+    assert planned_platform(config, None, True) is None
 
 
 def test_cli_bad_input(capsys):

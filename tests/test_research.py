@@ -167,6 +167,18 @@ def test_path_rules_reach_the_planner():
     assert named.param_specs["conv2/kernel"] != [] and bare.param_specs["conv2/kernel"] == []
 
 
+def test_the_planner_costs_a_model_whose_loss_takes_rngs(lm):
+    """Dropout with the Trainer's per-step ``rngs`` puts PRNG-key arrays (an extended dtype
+    numpy cannot read) in the traced step: the cost model sizes them like any array, so a
+    mesh left on "auto" is planned from the model's own costs instead of crashing."""
+    config = lm.make_config(1, ["mesh.data=auto", "mesh.fsdp=auto", "mesh.tensor=auto",
+                                *QUIET])
+    cost = CostSource(lambda r: lm.TransformerLM(r), lm.lm_loss,
+                      example_batch=_example(lm)).get()
+    plan = make_plan(config, cost, 8, rules=lm.RULES)
+    assert plan.fits and plan.predicted.per_device_bytes > 0
+
+
 def test_fsdp8_collective_bytes_against_zero3(lm):
     """What the research model sends per step under fsdp=8 (docs/benchmarks.md): within
     ZeRO-3's 3(N−1)/N·P (XLA keeps straight-line layers' gathered weights for the backward)."""

@@ -406,6 +406,7 @@ def test_bench_aot_compiles_each_strategy_without_running_it():
     Data parallelism reducing after microbatches does so in a shard_map over data; cuDNN's
     attention runs inside it in a shard_map of its own (models.attention.attend)."""
     from jaxmp.tools.bench import AOT_REASON, bench_gpt
+    from jaxmp.tools.bench_output import render
     from jaxmp.tools.strategies import parse_strategies
     from jaxmp.topology import gpu_topology
 
@@ -418,3 +419,6 @@ def test_bench_aot_compiles_each_strategy_without_running_it():
     assert row.peak_bytes > row.argument_bytes > 0 and row.layout["attention"] == "cudnn"
     assert row.collective_bytes_total == pytest.approx(row.predicted["collective_bytes_total"],
                                                        rel=0.1)
+    text = render(result)  # says nothing was timed
+    assert "## Compiled and predicted" in text and "Step time: not measured" in text
+    assert "median of" not in text

@@ -422,3 +422,23 @@ def test_bench_aot_compiles_each_strategy_without_running_it():
     text = render(result)  # says nothing was timed
     assert "## Compiled and predicted" in text and "Step time: not measured" in text
     assert "median of" not in text
+
+
+@needs_plugin
+def test_a_research_model_is_planned_as_the_gpus_it_is_given():
+    """examples/train_research_lm.py's model (stock Flax layers, dropout with per-step
+    ``rngs``), its mesh left on "auto": the Trainer handed deviceless H100s plans for H100s,
+    not for this process's CPU (the plan ``aot_verify`` then judges; its compile, seconds
+    even for this model, is left to docs/planner.md §7's commands)."""
+    import train_research_lm as lm
+    from jaxmp.topology import gpu_topology
+
+    config = lm.make_config(1, ["mesh.data=auto", "mesh.fsdp=auto", "mesh.tensor=auto",
+                                "checkpoint.enabled=false", "logging.tensorboard=false"])
+    example = {k: jax.ShapeDtypeStruct((16, 64), np.int32) for k in ("inputs", "targets")}
+    trainer = jaxmp.Trainer(config, lambda r: lm.TransformerLM(r), lm.lm_loss, None,
+                            rules=lm.RULES, devices=list(gpu_topology(N, "H100").devices),
+                            example_batch=example)
+    assert trainer.plan.to_json()["device"]["kind"] == "H100"
+    assert trainer.plan.memory_limit == pytest.approx(
+        PROFILES["H100"].memory_bytes * PROFILES["H100"].usable_fraction)

@@ -274,6 +274,18 @@ def test_cli_plans_the_kernels_of_the_gpus_it_plans_for(capsys):
     assert planned_platform(config, None, True) is None
 
 
+def test_cli_says_when_a_setting_turned_on_cannot_act(capsys):
+    """ZeRO over data=1 and sequence parallelism at tensor=1 are no errors, but the plan says
+    it built neither."""
+    assert _run_cli("--devices", "8", "--device-kind", "H100", "--json", "--top", "1",
+                    *sum((["--set", s] for s in SMALL), []), "--set", "mesh.data=1",
+                    "--set", "mesh.tensor=1", "--set", "train.optimizer_sharding=data",
+                    "--set", "train.sequence_parallel=true") == 0
+    notes = " ".join(json.loads(capsys.readouterr().out)["notes"])
+    assert "train.optimizer_sharding='data' shards nothing here (data=1)" in notes
+    assert "train.sequence_parallel=true: the chosen layout does not shard" in notes
+
+
 def test_cli_bad_input(capsys):
     assert _run_cli("--devices", "0") == 2
     assert _run_cli("--device-kind", "TPU v9", "--devices", "8") == 2

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -183,10 +183,21 @@ def measured_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
-def detected_kind() -> str:
-    """This process's first device as a profile key ("CPU" for any CPU)."""
-    dev = jax.devices()[0]
+def detected_kind(device: Any | None = None) -> str:
+    """``device`` (default: this process's first) as a profile key ("CPU" for any CPU)."""
+    dev = device if device is not None else jax.devices()[0]
     return "CPU" if dev.platform == "cpu" else dev.device_kind
+
+
+def devices_kind(section: DeviceConfig, devices: Sequence[Any]) -> str | None:
+    """The kind a run on ``devices`` is planned for: theirs when a profile knows it
+    (deviceless GPUs are planned as those GPUs, not as this process's CPU), unless
+    ``device.kind`` names one; None leaves it to :func:`profile_from_config` (which also
+    describes an unknown device from its own memory stats)."""
+    if not devices or section.kind not in ("", "auto"):
+        return None
+    kind = detected_kind(devices[0])
+    return kind if match_kind(kind) is not None else None
 
 
 def profile_from_config(section: DeviceConfig | None = None, device_kind: str | None = None,

@@ -410,6 +410,7 @@ def test_bench_aot_compiles_each_strategy_without_running_it():
     Data parallelism reducing after microbatches does so in a shard_map over data; cuDNN's
     attention runs inside it in a shard_map of its own (models.attention.attend)."""
     from jaxmp.tools.bench import AOT_REASON, bench_gpt
+    from jaxmp.tools.bench_output import render
     from jaxmp.tools.strategies import parse_strategies
     from jaxmp.topology import gpu_topology
 
@@ -422,3 +423,26 @@ def test_bench_aot_compiles_each_strategy_without_running_it():
     assert row.peak_bytes > row.argument_bytes > 0 and row.layout["attention"] == "cudnn"
     assert row.collective_bytes_total == pytest.approx(row.predicted["collective_bytes_total"],
                                                        rel=0.1)
+    text = render(result)  # says nothing was timed
+    assert "## Compiled and predicted" in text and "Step time: not measured" in text
+    assert "median of" not in text
+
+
+@needs_plugin
+def test_a_research_model_is_planned_as_the_gpus_it_is_given():
+    """examples/train_research_lm.py's model (stock Flax layers, dropout with per-step
+    ``rngs``), its mesh left on "auto": the Trainer handed deviceless H100s plans for H100s,
+    not for this process's CPU (the plan ``aot_verify`` then judges; its compile, seconds
+    even for this model, is left to docs/planner.md §7's commands)."""
+    import train_research_lm as lm
+    from jaxmp.topology import gpu_topology
+
+    config = lm.make_config(1, ["mesh.data=auto", "mesh.fsdp=auto", "mesh.tensor=auto",
+                                "checkpoint.enabled=false", "logging.tensorboard=false"])
+    example = {k: jax.ShapeDtypeStruct((16, 64), np.int32) for k in ("inputs", "targets")}
+    trainer = jaxmp.Trainer(config, lambda r: lm.TransformerLM(r), lm.lm_loss, None,
+                            rules=lm.RULES, devices=list(gpu_topology(N, "H100").devices),
+                            example_batch=example)
+    assert trainer.plan.to_json()["device"]["kind"] == "H100"
+    assert trainer.plan.memory_limit == pytest.approx(
+        PROFILES["H100"].memory_bytes * PROFILES["H100"].usable_fraction)

@@ -98,6 +98,11 @@ def test_cuda_plugin_without_a_gpu_is_quiet():
     assert "Traceback" not in r.stderr and "cuInit" not in r.stderr
     assert len(r.stderr.strip().splitlines()) <= 1, r.stderr
     assert " x CPU (" in r.stdout.splitlines()[0]  # it ran, on the CPU
+    # research scripts settle it the same way (examples/: simulate_devices_from_argv)
+    code = ("from jaxmp._util.env import simulate_devices_from_argv as s; s([]); "
+            "import jax; print(jax.devices()[0].platform)")
+    r = subprocess.run([sys.executable, "-c", code], env=child, capture_output=True, text=True)
+    assert r.stdout.strip() == "cpu" and "Traceback" not in r.stderr, r.stderr
 
 
 def test_gpu_compile_options_order_and_types(monkeypatch):

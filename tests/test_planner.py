@@ -13,6 +13,7 @@ import pytest
 
 from jaxmp import load_config
 from jaxmp.cli import main
+from jaxmp.cli.plan import planned_platform
 from jaxmp.devices import DeviceProfile, match_kind, profile_for, profile_from_config
 from jaxmp.errors import ConfigError, PlanError, UnknownDeviceError
 from jaxmp.plan import InfeasibleError, balance_stages, make_plan, plan, stage_sums
@@ -255,6 +256,34 @@ def test_cli_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert {"mesh", "stages", "predicted", "alternatives", "planning_time_s"} <= set(out)
     assert len(out["alternatives"]) <= 3 and out["device"]["kind"] == "H100"
+
+
+def test_cli_plans_the_kernels_of_the_gpus_it_plans_for(capsys):
+    """``jaxmp plan --device-kind H100`` on a machine without one plans what ``jaxmp train``
+    runs on the H100s — cuDNN's attention with bf16 — not what this CPU could run; with
+    ``--verify`` (no ``--aot``) the plan is for the devices here, which compile it."""
+    bf16 = [*sum((["--set", s] for s in SMALL), []), "--set", "model.compute_dtype=bfloat16"]
+    assert _run_cli("--devices", "8", "--device-kind", "H100", "--json", "--top", "1",
+                    *bf16) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["attention"] == "cudnn"
+    config = load_config(None)
+    assert planned_platform(config, "NVIDIA A100-SXM4-80GB", True) == "cuda"
+    assert planned_platform(load_config(None, ["device.kind=H200"]), None, True) == "cuda"
+    assert planned_platform(config, "H100", False) is None  # --verify here
+    assert planned_platform(config, "CPU", True) is None
+    assert planned_platform(config, None, True) is None
+
+
+def test_cli_says_when_a_setting_turned_on_cannot_act(capsys):
+    """ZeRO over data=1 and sequence parallelism at tensor=1 are no errors, but the plan says
+    it built neither."""
+    assert _run_cli("--devices", "8", "--device-kind", "H100", "--json", "--top", "1",
+                    *sum((["--set", s] for s in SMALL), []), "--set", "mesh.data=1",
+                    "--set", "mesh.tensor=1", "--set", "train.optimizer_sharding=data",
+                    "--set", "train.sequence_parallel=true") == 0
+    notes = " ".join(json.loads(capsys.readouterr().out)["notes"])
+    assert "train.optimizer_sharding='data' shards nothing here (data=1)" in notes
+    assert "train.sequence_parallel=true: the chosen layout does not shard" in notes
 
 
 def test_cli_bad_input(capsys):

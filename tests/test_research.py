@@ -17,6 +17,7 @@ from jaxmp import rules
 from jaxmp.checkpoint.records import flat_paths
 from jaxmp.hlo import collective_stats
 from jaxmp.plan import make_plan
+from jaxmp.plan.shard import resolve_shard
 from jaxmp.train.planning import CostSource
 from helpers import Recorder
 
@@ -165,6 +166,32 @@ def test_path_rules_reach_the_planner():
     bare = make_plan(config, CostSource(model_fn, tc.classification_loss,
                                         example_batch=example).get(), 8, rules=tc.RULES)
     assert named.param_specs["conv2/kernel"] != [] and bare.param_specs["conv2/kernel"] == []
+
+
+@pytest.fixture(scope="module")
+def cost(lm):
+    return CostSource(lambda r: lm.TransformerLM(r), lm.lm_loss,
+                      example_batch=_example(lm)).get()
+
+
+def test_the_planner_costs_a_model_whose_loss_takes_rngs(lm, cost):
+    """Dropout with the Trainer's per-step ``rngs`` puts PRNG-key arrays (an extended dtype
+    numpy cannot read) in the traced step: the cost model sizes them like any array, so a
+    mesh left on "auto" is planned from the model's own costs instead of crashing."""
+    config = lm.make_config(1, ["mesh.data=auto", "mesh.fsdp=auto", "mesh.tensor=auto",
+                                *QUIET])
+    plan = make_plan(config, cost, 8, rules=lm.RULES)
+    assert plan.fits and plan.predicted.per_device_bytes > 0
+
+
+def test_tensor_parallelism_counts_the_block_matrices_not_its_biases(lm, cost):
+    """nnx.MultiHeadAttention's (heads, head_dim) biases, split over tensor by their one name
+    ("kv"), are no row-parallel matrices: a block has 6 tensor-split matrices (query, key,
+    value, up: columns; out, down: rows), as Megatron counts; the planner charged 9 and 5."""
+    block = next(i for i, lay in enumerate(cost.layers) if lay.name == "blocks/0")
+    shard = resolve_shard(cost.layers[block], 2, 2, rules.normalize_rules(lm.RULES),
+                          "param", "param", None, True)
+    assert (shard.tensor_weights, shard.row_parallel) == (6, 2)
 
 
 def test_fsdp8_collective_bytes_against_zero3(lm):

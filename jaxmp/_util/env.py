@@ -226,7 +226,8 @@ def set_gpu_memory_fraction(fraction: float) -> bool:
 
 def simulate_devices_from_argv(argv: list[str]) -> None:
     """For example scripts: ``--simulate-devices N`` read from ``argv`` before jax starts (the
-    flag ``jaxmp train`` takes); without it the devices present are used."""
+    flag ``jaxmp train`` takes); without it the devices present are used, the platform
+    settled as ``jaxmp`` settles it (no CUDA-plugin traceback where no GPU is usable)."""
     import argparse
 
     early = argparse.ArgumentParser(add_help=False)
@@ -234,6 +235,8 @@ def simulate_devices_from_argv(argv: list[str]) -> None:
     n = early.parse_known_args(argv)[0].simulate_devices
     if n is not None:
         simulate_devices(n)
+    else:
+        settle_platform()  # the Trainer's start-up line gives its note
 
 
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)

@@ -102,10 +102,12 @@ def run(args: argparse.Namespace) -> int:
     from jaxmp.tools.aot import aot_verify
     from jaxmp.tools.verify import verify_prediction
 
+    platform = planned_platform(config, kind, topology is not None or not args.verify)
+
     def plan_of(cfg: Any, find_devices_needed: bool = True) -> Any:
         return gpt_plan(cfg, n, kind, remats=REMAT_POLICY_NAMES, strict=True,
                         measure_cpu=True, top=args.top, find_devices_needed=find_devices_needed,
-                        platform="cuda" if topology is not None else None)
+                        platform=platform)
 
     result = plan_of(config)
     given = plan_of(given_config, False) if given_config is not None else None
@@ -126,6 +128,18 @@ def run(args: argparse.Namespace) -> int:
         if given is not None:
             print("\n" + render_compare(result, given))
     return 0
+
+
+def planned_platform(config: Any, kind: str | None, elsewhere: bool) -> str | None:
+    """The platform the plan is for: ``"cuda"`` when it is for GPUs of a known kind
+    (``--device-kind`` or ``device.kind``) that are not this process's devices (no
+    ``--verify`` here, or ``--aot``) — the kernels ``jaxmp train`` picks there, e.g. cuDNN
+    attention, not the ones this login node could run; else None (this process's devices)."""
+    from jaxmp.devices import match_kind
+    from jaxmp.gpu_targets import TARGETS
+
+    kind = kind or (config.device.kind if config.device.kind not in ("", "auto") else None)
+    return "cuda" if elsewhere and kind and match_kind(kind) in TARGETS else None
 
 
 def aot_topology(args: argparse.Namespace, config: Any) -> Any:

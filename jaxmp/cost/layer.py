@@ -82,7 +82,7 @@ def saved_from(avals: Sequence[Any], avals_one_row: Sequence[Any] | None, rows: 
                       for a, b in zip(avals, avals_one_row))
     else:  # structure changed with the batch: fall back to "a dim equal to rows"
         bdims = tuple(s.index(rows) if rows in s else None for s in shapes)
-    return Saved(shapes, tuple(jnp.dtype(a.dtype).itemsize for a in avals), bdims, rows)
+    return Saved(shapes, tuple(a.dtype.itemsize for a in avals), bdims, rows)  # keys too
 
 
 def _layer_fn(call: LayerCall) -> tuple[Callable, list, list[bool]]:

@@ -33,7 +33,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from jax.extend import core as jcore
 
 from jaxmp.cost import flops as F
@@ -96,7 +95,9 @@ def linear(at_rows: Traffic, at_one: Traffic | None, rows: int) -> LinearTraffic
 
 def _nbytes(v: Any) -> float:
     aval = v.aval
-    return float(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize \
+    # ``dtype.itemsize``, not ``np.dtype(...)``: PRNG key arrays (dropout's ``rngs``) carry
+    # extended dtypes numpy cannot interpret
+    return float(math.prod(aval.shape)) * aval.dtype.itemsize \
         if hasattr(aval, "shape") and hasattr(aval, "dtype") else 0.0
 
 

@@ -187,12 +187,26 @@ def make_plan(config: TrainerConfig, cost: ModelCost | None, n_devices: int, *,
                   sequence_parallel=config.train.sequence_parallel,
                   master_weights=config.train.master_weights)
     check_sequence_parallel(config, cost, result.layout)
+    result.notes.extend(_idle_settings(config, result.layout))
     if result.layout.split is not None and stack_blocks is not None and \
             result.layout.split.n_blocks != stack_blocks:
         raise ConfigError(f"the model's layer stack has {stack_blocks} blocks but its costs "
                           f"have {result.layout.split.n_blocks}")
     result.planning_time_s = time.perf_counter() - start
     return _with_attention(result, attention)
+
+
+def _idle_settings(config: TrainerConfig, layout: Layout) -> list[str]:
+    """Notes for settings the user turned on that the chosen layout cannot act on (not
+    errors: they shard over an axis of size 1, or over nothing the axis divides)."""
+    notes = []
+    if config.train.optimizer_sharding == "data" and layout.optimizer_sharding != "data":
+        notes.append(f"train.optimizer_sharding='data' shards nothing here (data="
+                     f"{layout.sizes['data']}): the optimizer state is sharded as the params")
+    if config.train.sequence_parallel is True and not layout.sequence_parallel:
+        notes.append("train.sequence_parallel=true: the chosen layout does not shard the "
+                     f"sequence (tensor={layout.sizes['tensor']})")
+    return notes
 
 
 def _with_attention(result: Plan, attention: AttentionChoice | None) -> Plan:

@@ -83,7 +83,8 @@ def resolve_shard(lay: LayerCost, fsdp: int, tensor: int, rules: Sequence, wire:
         split = [d for d, e in enumerate(spec)
                  if e == "tensor" or (isinstance(e, tuple) and "tensor" in e)]
         tdims.update(int(leaf.shape[d]) for d in split)
-        dims = [d for d, n in enumerate(leaf.names or ()) if n != "layers"]
+        # its named dims: a 2-D attention bias (heads, head_dim) named ("kv",) is no matrix
+        dims = [d for d, n in enumerate(leaf.names or ()) if n is not None and n != "layers"]
         weights += bool(split) and len(dims) >= 2
         n_matrices += len(dims) >= 2
         if len(dims) >= 2 and dims[0] in split:

@@ -25,6 +25,7 @@ from jaxmp.config import replace
 from jaxmp.cost import REMAT_POLICIES, ModelCost, model_costs
 from jaxmp.data import STDLIB_VOCAB, BatchIterator, make_batches, padded_vocab, read_meta
 from jaxmp.data.meta import META, RUN_META, TOKENIZER
+from jaxmp.devices import devices_kind
 from jaxmp.errors import ConfigError
 from jaxmp.models import GPT, GPTConfig, lm_loss, next_token_loss
 from jaxmp.models.attention import AttentionChoice, choose_attention, device_platform
@@ -197,7 +198,8 @@ def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,
     config = resolve_data(config)
     devices = list(devices if devices is not None else jax.devices())
     platform = platform_of(devices)
-    plan = plan or gpt_plan(config, len(devices), platform=platform)
+    plan = plan or gpt_plan(config, len(devices), devices_kind(config.device, devices),
+                            platform=platform)
     config = replace(config, model={"remat": plan.remat})  # "auto": the plan's policy
     attention = plan.layout.attention or attention_for(config.model, platform).implementation
     if attention == "cudnn" and platform != "cuda":

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -264,7 +265,8 @@ def run_bench(config: TrainerConfig, make_trainer: MakeTrainer, specs: Sequence[
                 built = trainer.executed_layout().differences(plan.layout)
                 if built:
                     raise RuntimeError("the Trainer built another layout: " + "; ".join(built))
-                param_bytes = float(tree_bytes(trainer.layout.abstract.params))
+                if math.isnan(param_bytes):  # the model's, as the first layout holds them
+                    param_bytes = float(tree_bytes(trainer.layout.abstract.params))
                 measure_row(row, trainer, batch, steps, warmup,
                             _memory_limit(devices[0], plan), model_flops_per_step or
                             float("nan"), peak, compile_only)

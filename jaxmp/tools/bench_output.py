@@ -62,13 +62,16 @@ def render(result: Bench) -> str:
                     f"{model['compute_dtype']}, remat {model['remat']}; "
                     f"{fmt_bytes(b.param_bytes)} of parameters. "
                     f"Global batch {batch.get('sequences')} × {batch.get('seq_len')} tokens.")
+    ran = [r for r in b.rows if r.peak_bytes is not None]
+    # --aot: every step compiled, none run — no step was timed
+    compiled_only = bool(ran) and all(r.status == "compiled only" for r in ran)
+    timed = "Step time: not measured (compiled, not run); " if compiled_only else \
+        f"Step time: median of {b.steps} steps after {b.warmup} warm-up steps. "
     head.append(f"{b.tokens_per_step:,} tokens and {fmt_flops(b.model_flops_per_step)} of model "
                 f"FLOPs per step; MFU against {fmt_flops(b.peak_flops)}/s "
                 f"({'a matmul measured in this run' if b.platform == 'cpu' else 'device peak'}). "
-                f"Step time: median of {b.steps} steps after {b.warmup} warm-up steps. "
-                f"Predicted (pred) is the planner's figure for the same layout; err = "
-                f"predicted / measured − 1.")
-    ran = [r for r in b.rows if r.peak_bytes is not None]
+                f"{timed}Predicted (pred) is the planner's figure for the same layout; err = "
+                f"predicted / {'compiled' if compiled_only else 'measured'} − 1.")
     rows = []
     for r in ran:
         rows.append([_label(r), mesh_str(r.mesh),
@@ -81,7 +84,8 @@ def render(result: Bench) -> str:
                      _pred(r, "step_time_s", fmt_time), _err(r, "step_time_s"),
                      _opt(r.tokens_per_s, lambda v: f"{v:,.0f}"),
                      _opt(r.mfu, lambda v: f"{v:.1%}")])
-    out = head + ["", "## Measured and predicted, per device", ""]
+    out = head + ["", f"## {'Compiled' if compiled_only else 'Measured'} and predicted, per "
+                      "device", ""]
     out += md_table(["strategy", "mesh", "peak", "pred", "err", "arguments", "pred", "err",
                      "sent/step", "pred", "err", "step time", "pred", "err", "tokens/s",
                      "MFU"], rows, right=set(range(2, 16)))
@@ -116,7 +120,7 @@ def render(result: Bench) -> str:
             "runtime allocates (docs/planner.md §7)."]
     skipped = [r for r in b.rows if r.reason]
     if skipped:
-        out += ["", "## Not run", ""]
+        out += ["", "## Not run" + (" (or compiled only)" if compiled_only else ""), ""]
         out += md_table(["strategy", "mesh", "why"],
                         [[r.name, mesh_str(r.mesh) if r.mesh else "—", r.reason]
                          for r in skipped])

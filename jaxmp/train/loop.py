@@ -126,7 +126,7 @@ class Trainer:
         # The one plan: given (made by the same function), or made here. Everything below
         # builds its layout as is.
         self.plan = plan if plan is not None else plan_run(
-            config, len(devices), self.costs, self.rules, pipeline is not None,
+            config, devices, self.costs, self.rules, pipeline is not None,
             self.stack_blocks, compute_dtype, self._model_remat,
             master.narrowest(nnx.state(abstract, nnx.Param)))
         check_plan(self.plan, len(devices), pipeline is not None, self.stack_blocks)

@@ -21,6 +21,7 @@ from flax import nnx
 
 from jaxmp.config import TrainerConfig
 from jaxmp.cost import ModelCost, model_costs
+from jaxmp.devices import devices_kind
 from jaxmp.errors import ConfigError
 from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import StageSplit
@@ -49,15 +50,18 @@ class CostSource:
         return self._cost
 
 
-def plan_run(config: TrainerConfig, n_devices: int, costs: CostSource, rules: Sequence,
+def plan_run(config: TrainerConfig, devices: Sequence, costs: CostSource, rules: Sequence,
              pipeline: bool, stack_blocks: int, compute_dtype: str | None,
              remat: str, param_dtype: str | None = None) -> Plan:
     """The Trainer's plan: :func:`jaxmp.plan.make_plan` with the model's costs when they can
-    be had (no measured numbers: every process of a run reaches the same plan)."""
+    be had (no measured numbers: every process of a run reaches the same plan), for the
+    Trainer's ``devices`` — their kind unless ``device.kind`` names one (deviceless GPUs
+    are planned as those GPUs, not as this process's CPU)."""
     cost = costs.get()
-    plan = make_plan(config, cost, n_devices, rules=rules, pipeline=pipeline,
+    plan = make_plan(config, cost, len(devices), rules=rules, pipeline=pipeline,
                      stack_blocks=stack_blocks if pipeline else None,
-                     compute_dtype=compute_dtype, remat=remat, param_dtype=param_dtype)
+                     compute_dtype=compute_dtype, remat=remat, param_dtype=param_dtype,
+                     device_kind=devices_kind(config.device, devices))
     plan.cost_time_s = costs.seconds
     return plan
 

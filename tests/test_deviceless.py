@@ -282,6 +282,18 @@ def test_gpu_step_collectives_against_the_plan(cudnn_step):
         assert row["overlapped"] + row["exposed"] == row["async"]
 
 
+def test_layer_loop_weight_gathers_are_pipelined_async(cudnn_step):
+    """fsdp 8: each layer's weight gather is an async pair the scheduler may overlap, in the
+    forward and the backward layer loop, under either jaxlib: jaxmp gives XLA collective
+    pipelining in both spellings (without jaxlib 0.12's ``xla_gpu_pipeline_*`` enums its
+    default left all 4 synchronous: docs/planner.md §7 "Stop 29"). Overlap itself is the
+    scheduler's call at this size: 0 of 4 exposed under jaxlib 0.12, 2 of 4 under 0.10.2."""
+    overlap = cudnn_step["overlap"]
+    loop = overlap.loop_all_gathers
+    assert len(loop) >= 2 and not any(a.synchronous for a in loop), overlap.summary()
+    assert overlap.exposed_loop_all_gathers < len(loop), overlap.summary()
+
+
 def test_weights_gathered_as_stored_move_the_compute_dtype():
     """``compression.weights = "param"`` with bf16 compute: XLA's GPU compiler casts each
     matmul weight on its shard before the all-gather anyway, and reduces its gradient in bf16;

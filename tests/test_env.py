@@ -108,7 +108,9 @@ def test_cuda_plugin_without_a_gpu_is_quiet():
 def test_gpu_compile_options_order_and_types(monkeypatch):
     """Every GPU compile gets jaxmp's flags, then the config's, then the user's ``XLA_FLAGS``
     (last wins), typed as compile options; two collectives may be in flight (a tensor
-    all-reduce must not keep the next layer's fsdp gather waiting: docs/planner.md §7)."""
+    all-reduce must not keep the next layer's fsdp gather waiting: docs/planner.md §7);
+    collective pipelining in both jaxlib spellings (jaxlib 0.12's default left the layer
+    loop's gathers synchronous: §7 "Stop 29")."""
     from jaxmp._util.env import gpu_compile_options
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_experimental_parallel_collective_overlap_limit=4 "
@@ -119,4 +121,9 @@ def test_gpu_compile_options_order_and_types(monkeypatch):
     assert options["xla_gpu_all_gather_combine_threshold_bytes"] == 2**30
     assert not any(k.startswith("xla_force") for k in options)
     monkeypatch.delenv("XLA_FLAGS")
-    assert gpu_compile_options()["xla_gpu_experimental_parallel_collective_overlap_limit"] == 2
+    ours = gpu_compile_options()
+    assert ours["xla_gpu_experimental_parallel_collective_overlap_limit"] == 2
+    assert ours["xla_gpu_enable_pipelined_all_gather"] is True  # jaxlib 0.10
+    assert ours["xla_gpu_pipeline_all_gather"] == "COLLECTIVE_PIPELINING_MODE_ON"  # jaxlib 0.12
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_pipeline_all_gather=off")  # XLA_FLAGS' spelling
+    assert gpu_compile_options()["xla_gpu_pipeline_all_gather"] == "COLLECTIVE_PIPELINING_MODE_OFF"

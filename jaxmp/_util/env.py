@@ -39,19 +39,29 @@ def add_xla_flags(flags: str) -> None:
 # collectives in flight, not XLA's default one: with tensor parallelism the tensor
 # all-reduces held the one slot, so the next layer's pipelined fsdp gather could start only
 # after the layer's last matmul (Llama-3-70B's shape, fsdp 16 x tensor 4, 4 layers: 2 of 4
-# loop all-gathers exposed → 0; docs/planner.md §7 "Stop 28").
-GPU_XLA_FLAGS = (
-    "--xla_gpu_enable_latency_hiding_scheduler=true "
-    "--xla_gpu_enable_pipelined_all_gather=true "
-    "--xla_gpu_enable_pipelined_reduce_scatter=true "
-    "--xla_gpu_enable_pipelined_all_reduce=true "
-    "--xla_gpu_enable_while_loop_double_buffering=true "
-    "--xla_gpu_all_gather_combine_threshold_bytes=1073741824 "
-    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728 "
-    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728 "
-    "--xla_gpu_enable_all_gather_combine_by_dim=false "
-    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false "
-    "--xla_gpu_experimental_parallel_collective_overlap_limit=2")
+# loop all-gathers exposed → 0; docs/planner.md §7 "Stop 28"). Three would also free the
+# backward's prefetch from the gradient reduce-scatters once microbatches accumulate (there
+# 4 of 8 layer-loop gathers exposed → 0), but hold one more sequence-parallel gather's buffer
+# the planner does not charge (§7 "Stop 29"): not set.
+# Collective pipelining is spelt two ways: jaxlib 0.10's booleans and jaxlib 0.12's
+# ``CollectivePipeliningMode`` enums (whose default, tied to the optimisation effort, left
+# every layer-loop gather synchronous); each XLA drops the spelling it lacks, quietly.
+_PIPELINED = ("all_gather", "reduce_scatter", "all_reduce")
+_OLD_PIPELINING = tuple(f"xla_gpu_enable_pipelined_{k}" for k in _PIPELINED)
+_NEW_PIPELINING = tuple(f"xla_gpu_pipeline_{k}" for k in _PIPELINED)
+GPU_XLA_FLAGS = " ".join([
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    *(f"--{f}=true" for f in _OLD_PIPELINING),
+    *(f"--{f}=COLLECTIVE_PIPELINING_MODE_ON" for f in _NEW_PIPELINING),
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+    "--xla_gpu_all_gather_combine_threshold_bytes=1073741824",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    "--xla_gpu_enable_all_gather_combine_by_dim=false",
+    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
+    "--xla_gpu_experimental_parallel_collective_overlap_limit=2"])
+# Flags of GPU_XLA_FLAGS that only some jaxlib versions know: dropped without a word.
+VERSIONED_GPU_FLAGS = frozenset(_OLD_PIPELINING + _NEW_PIPELINING)
 GPU_FLAG_PREFIX = "--xla_gpu_"
 
 
@@ -70,6 +80,8 @@ def gpu_compile_options(config_flags: str = "") -> dict[str, bool | int | float 
             if not flag.startswith(GPU_FLAG_PREFIX):
                 continue
             name, _, value = flag[2:].partition("=")
+            if name in _NEW_PIPELINING and "_MODE_" not in value:  # XLA_FLAGS spells "on"
+                value = f"COLLECTIVE_PIPELINING_MODE_{value.upper()}"
             out[name] = _flag_value(value)
     return out
 

@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxmp import sharding
 from jaxmp._util.arrays import tree_bytes
-from jaxmp._util.env import gpu_compile_options, platform_note
+from jaxmp._util.env import VERSIONED_GPU_FLAGS, gpu_compile_options, platform_note
 from jaxmp._util.fmt import fmt_bytes, mesh_str
 from jaxmp._util.io import atomic_write, make_dir
 from jaxmp._util.log import say
@@ -54,9 +54,10 @@ _UNKNOWN_OPTIONS: set[str] = set()  # flags this jaxlib's XLA does not have (ask
 
 def compile_with_options(lowered: Any, options: dict[str, Any]) -> Any:
     """``lowered.compile(compiler_options=options)`` without the options this XLA does not
-    know: XLA's flags come and go between versions (jaxlib 0.12's GPU compiler has no
-    ``xla_gpu_enable_pipelined_*``: collective pipelining is its default there), and an
-    unknown one fails the compile, so each is dropped once, with one line saying so."""
+    know: XLA's flags come and go between versions (jaxlib 0.12 spells collective pipelining
+    ``xla_gpu_pipeline_*``, jaxlib 0.10 ``xla_gpu_enable_pipelined_*``), and an unknown one
+    fails the compile, so each is dropped once, with one line saying so (none for jaxmp's own
+    :data:`~jaxmp._util.env.VERSIONED_GPU_FLAGS`)."""
     while True:
         kept = {k: v for k, v in options.items() if k not in _UNKNOWN_OPTIONS}
         try:
@@ -66,7 +67,8 @@ def compile_with_options(lowered: Any, options: dict[str, Any]) -> Any:
             if found is None or found[1] not in kept:
                 raise
             _UNKNOWN_OPTIONS.add(found[1])
-            say(f"jaxmp: this XLA has no flag --{found[1]}; compiling without it")
+            if found[1] not in VERSIONED_GPU_FLAGS:  # jaxmp's other-version spelling: quiet
+                say(f"jaxmp: this XLA has no flag --{found[1]}; compiling without it")
 
 
 class Trainer:

@@ -6,7 +6,7 @@
 The test GPT (docs/benchmarks.md's optimizer-sharding rows) as float32 params with the Adam
 moments sharded over data, and as ``model.param_dtype=bfloat16`` with ``train.master_weights``'
 default (a float32 master beside the moments, jaxmp/train/master.py) with the optimizer state
-sharded over data or not: per-device argument, temporary and collective bytes of the compiled
+sharded over data or not, and without a master (``train.master_weights=none``): per-device argument, temporary and collective bytes of the compiled
 step beside the planner's prediction. ``gpu`` compiles with XLA's GPU compiler for 8 deviceless
 H100s (``jaxmp.topology.gpu_topology``; ``jaxmp plan --verify --aot`` compiles the same way);
 XLA's CPU backend widens 16-bit collectives to float32, so only ``gpu`` shows the 16-bit wire.
@@ -30,7 +30,10 @@ MESHES = [["mesh.data=8"], ["mesh.data=4", "mesh.tensor=2"],
 VARIANTS = {"float32 params": ["model.param_dtype=float32", "train.optimizer_sharding=data"],
             "bf16 + master": ["model.param_dtype=bfloat16", "train.optimizer_sharding=data"],
             "bf16 + master, optimizer none": ["model.param_dtype=bfloat16",
-                                              "train.optimizer_sharding=none"]}
+                                              "train.optimizer_sharding=none"],
+            # 16-bit Adam: the microbatches' running sum is float32 all the same (jaxmp.gradsum)
+            "bf16, no master": ["model.param_dtype=bfloat16", "train.master_weights=none",
+                                "train.optimizer_sharding=data"]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -58,6 +58,11 @@ class DeviceProfile:
     # against 4.12 predicted, bytes +12.5 %; docs/planner.md §7), so "auto" may choose it there. (Inside the gradient accumulation
     # loop it holds on GPUs too since the loop carries its microbatch: jaxmp.train.step.)
     sequence_parallel_in_stages: bool = False
+    # The optimizer's update runs as fused elementwise kernels writing into the donated state
+    # (XLA's GPU compiler: after the backward only the gradients and their reduced copy are
+    # live, docs/benchmarks.md "Float32 master weights", stop 29); XLA:CPU computes the new
+    # params and moments beside the old ones, the full-size gradients still live.
+    updates_in_place: bool = True
     # Memory (HBM) bandwidth, bytes/s (jaxmp.gpu_targets' datasheet figure): the time model
     # charges the bytes that only memory moves — saved activations written in the forward and
     # read in the backward, per-microbatch accumulation and casts, the optimizer's update
@@ -99,10 +104,11 @@ PROFILES: dict[str, DeviceProfile] = {
     "CPU": DeviceProfile("CPU", 5e10, 16 * GiB, 1e10, 1e9, devices_per_host=0,
                          usable_fraction=0.8, efficiency=0.5, overlap=False, shared_host=True,
                          upcasts_16bit=True, reassociates_all_reduce=False,
-                         sequence_parallel_in_stages=True),
+                         sequence_parallel_in_stages=True, updates_in_place=False),
 }
 OVERRIDABLE = tuple(f.name for f in dataclasses.fields(DeviceProfile)
-                    if f.name not in ("kind", "shared_host", "upcasts_16bit", "overlap"))
+                    if f.name not in ("kind", "shared_host", "upcasts_16bit", "overlap",
+                                      "updates_in_place"))
 
 
 def match_kind(device_kind: str) -> str | None:

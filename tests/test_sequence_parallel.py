@@ -103,13 +103,19 @@ def reference():
                                  "train.sequence_parallel=false", devices=one_device()))
 
 
-@pytest.mark.parametrize("axes,microbatches", [((2, 1, 1, 4), "auto"), ((2, 2, 1, 2), "auto"),
-                                               ((2, 1, 1, 4), 2)],
-                         ids=["data2xtensor4", "stage2xdata2xtensor2", "data2xtensor4x2mb"])
-def test_sequence_parallel_step_equals_one_device(axes, microbatches, reference):
-    """...and inside the gradient-accumulation loop (microbatches carried: train/step.py)."""
+@pytest.mark.parametrize("axes,microbatches,extra", [
+    ((2, 1, 1, 4), "auto", ()), ((2, 2, 1, 2), "auto", ()), ((2, 1, 1, 4), 2, ()),
+    ((2, 1, 1, 4), "auto", ("model.collective_matmul=true",)),
+    ((2, 1, 1, 4), 2, ("model.collective_matmul=true", "train.optimizer_sharding=data"))],
+    ids=["data2xtensor4", "stage2xdata2xtensor2", "data2xtensor4x2mb", "ring-data2xtensor4",
+         "ring-data2xtensor4x2mb-zero"])
+def test_sequence_parallel_step_equals_one_device(axes, microbatches, extra, reference):
+    """...and inside the gradient-accumulation loop (microbatches carried: train/step.py), and
+    with the projections as ring collective matmuls (``model.collective_matmul``, which
+    "auto" turns on only on GPUs: jaxmp.sharding.ring), also inside the reducer's shard_map
+    over data (optimizer state sharded over data)."""
     sets = [f"mesh.{a}={n}" for a, n in zip(AXES, axes)] + [
-        "train.sequence_parallel=true", f"train.microbatches={microbatches}"]
+        "train.sequence_parallel=true", f"train.microbatches={microbatches}", *extra]
     trainer = _trainer(*sets)
     assert trainer.plan.layout.sequence_parallel
     assert trainer.executed_layout() == trainer.plan.layout

@@ -111,6 +111,9 @@ class ModelCost:
     # (its second dim): whether and how far sequence parallelism can split the model.
     activation_names: frozenset[str] = frozenset()
     seq_len: int = 0
+    # Its blocks' tensor-parallel projections run as ring collective matmuls under sequence
+    # parallelism (jaxmp.sharding.ring): True, False, or "auto" (where the backend overlaps).
+    tensor_rings: bool | str = False
 
     def flops_per_step(self, remat: str = "none") -> float:
         return sum(layer.flops(remat) for layer in self.layers)

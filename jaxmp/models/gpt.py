@@ -27,6 +27,16 @@ from jaxmp.models.attention import attend
 from jaxmp.remat import (ATTENTION_OUT, ATTENTION_SCOPE, KEY, MLP_IN, MLP_OUT, QUERY, VALUE,
                          checkpointed)
 from jaxmp.sharding import constrain, constrain_param, names_of
+from jaxmp.sharding.ring import column_matmul, row_matmul
+
+# Logical names of the activations around the tensor-parallel projections.
+STREAM = ("batch", "seq", "act_embed")  # the residual stream (sequence-split under SP)
+HEADS = ("batch", "seq", "act_heads", None)
+KV_HEADS = ("batch", "seq", "act_kv_heads", None)
+WIDE = ("batch", "seq", "act_mlp")
+# ... and of the projections' weights.
+TO_HEADS, TO_KV_HEADS = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+FROM_HEADS, TO_MLP, FROM_MLP = ("heads", "head_dim", "embed"), ("embed", "mlp"), ("mlp", "embed")
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -56,6 +66,9 @@ class GPTConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    # tensor-parallel projections under sequence parallelism as ring collective matmuls
+    # (jaxmp.sharding.ring); "auto": on GPU meshes
+    collective_matmul: bool | str = "auto"
 
     @property
     def n_params(self) -> int:
@@ -141,6 +154,23 @@ def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
+def _weights(x: jax.Array, *params: nnx.Param) -> tuple[jax.Array, ...]:
+    return tuple(p[...].astype(x.dtype) for p in params)
+
+
+def _heads(x: jax.Array, *weights: jax.Array) -> tuple[jax.Array, ...]:
+    """The stream projected by each ``[embed, heads, head_dim]`` weight."""
+    return tuple(jnp.einsum("bsd,dhk->bshk", x, w) for w in weights)
+
+
+def _merge_heads(out: jax.Array, o: jax.Array) -> jax.Array:
+    return jnp.einsum("bshk,hkd->bsd", out, o)
+
+
+def _matmuls(x: jax.Array, *weights: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(x @ w for w in weights)
+
+
 def rope_frequencies(half: int, cfg: GPTConfig | None = None) -> jax.Array:
     """The ``half`` rotary inverse frequencies, float32: ``theta^(-i/half)``, rescaled as
     Llama 3.1 does when ``cfg.rope_scaling == "llama3"`` (HF's ``_compute_llama3_parameters``):
@@ -181,12 +211,11 @@ class Attention(nnx.Module):
         d, h, kv, hd, pd = cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.param_dtype
         std = cfg.init_std
         self.implementation = cfg.attention
-        self.q = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), std, pd)
-        self.k = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), std, pd)
-        self.v = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), std, pd)
+        self.q = _param(rngs, (d, h, hd), TO_HEADS, std, pd)
+        self.k = _param(rngs, (d, kv, hd), TO_KV_HEADS, std, pd)
+        self.v = _param(rngs, (d, kv, hd), TO_KV_HEADS, std, pd)
         # GPT-2's scaled init for projections that write into the residual stream.
-        self.o = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"),
-                        std / math.sqrt(2 * cfg.layers), pd)
+        self.o = _param(rngs, (h, hd, d), FROM_HEADS, std / math.sqrt(2 * cfg.layers), pd)
         if cfg.qkv_bias:  # zero at init; an imported model (Qwen2) brings its own
             self.q_bias = _bias((h, hd), ("heads", "head_dim"), pd)
             self.k_bias = _bias((kv, hd), ("kv_heads", "head_dim"), pd)
@@ -197,27 +226,25 @@ class Attention(nnx.Module):
         """Queries, keys and values of ``x`` at ``positions``, rotary embedding applied (the
         full forward pass and the KV-cached decode share it)."""
         dt = x.dtype
-        q = jnp.einsum("bsd,dhk->bshk", x, self.q[...].astype(dt))
-        k = jnp.einsum("bsd,dhk->bshk", x, self.k[...].astype(dt))
-        v = jnp.einsum("bsd,dhk->bshk", x, self.v[...].astype(dt))
+        q, k, v = column_matmul(_heads, x, _weights(x, self.q, self.k, self.v), STREAM,
+                                (TO_HEADS, TO_KV_HEADS, TO_KV_HEADS),
+                                (HEADS, KV_HEADS, KV_HEADS), self.cfg.collective_matmul)
         if self.cfg.qkv_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
             v = v + self.v_bias[...].astype(dt)
-        q = constrain(q, ("batch", "seq", "act_heads", None))
-        k = constrain(k, ("batch", "seq", "act_kv_heads", None))
-        v = constrain(v, ("batch", "seq", "act_kv_heads", None))
+        q, k, v = constrain(q, HEADS), constrain(k, KV_HEADS), constrain(v, KV_HEADS)
         q, k, v = checkpoint_name(q, QUERY), checkpoint_name(k, KEY), checkpoint_name(v, VALUE)
         freqs = rope_frequencies(q.shape[-1] // 2, self.cfg)
         return rope(q, positions, freqs), rope(k, positions, freqs), v
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dt = x.dtype
         q, k, v = self.qkv(x, jnp.arange(x.shape[1]))
         with jax.named_scope(ATTENTION_SCOPE):  # the cost model counts XLA's S x S traffic by it
             out = attend(q, k, v, self.implementation)
-        out = constrain(out, ("batch", "seq", "act_heads", None))
-        return checkpoint_name(jnp.einsum("bshk,hkd->bsd", out, self.o[...].astype(dt)),
+        out = constrain(out, HEADS)
+        return checkpoint_name(row_matmul(_merge_heads, out, _weights(out, self.o), HEADS,
+                                          (FROM_HEADS,), STREAM, self.cfg.collective_matmul),
                                ATTENTION_OUT)
 
 
@@ -225,20 +252,22 @@ class MLP(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         d, f, pd, std = cfg.d_model, cfg.mlp_dim, cfg.param_dtype, cfg.init_std
         self.swiglu = cfg.activation == "swiglu"
-        self.up = _param(rngs, (d, f), ("embed", "mlp"), std, pd)
+        self.up = _param(rngs, (d, f), TO_MLP, std, pd)
         if self.swiglu:
-            self.gate = _param(rngs, (d, f), ("embed", "mlp"), std, pd)
-        self.down = _param(rngs, (f, d), ("mlp", "embed"), std / math.sqrt(2 * cfg.layers), pd)
+            self.gate = _param(rngs, (d, f), TO_MLP, std, pd)
+        self.down = _param(rngs, (f, d), FROM_MLP, std / math.sqrt(2 * cfg.layers), pd)
+        self.collective_matmul = cfg.collective_matmul
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dt = x.dtype
-        h = checkpoint_name(x @ self.up[...].astype(dt), MLP_IN)
-        if self.swiglu:
-            h = recomputed(_swiglu)(checkpoint_name(x @ self.gate[...].astype(dt), MLP_IN), h)
-        else:
-            h = recomputed(jax.nn.gelu)(h)
-        h = constrain(h, ("batch", "seq", "act_mlp"))
-        return checkpoint_name(h @ self.down[...].astype(dt), MLP_OUT)
+        wide = (self.up, self.gate) if self.swiglu else (self.up,)
+        hs = column_matmul(_matmuls, x, _weights(x, *wide), STREAM, (TO_MLP,) * len(wide),
+                           (WIDE,) * len(wide), self.collective_matmul)
+        hs = [checkpoint_name(h, MLP_IN) for h in hs]
+        h = recomputed(_swiglu)(hs[1], hs[0]) if self.swiglu else recomputed(jax.nn.gelu)(hs[0])
+        h = constrain(h, WIDE)
+        return checkpoint_name(row_matmul(jnp.matmul, h, _weights(h, self.down), WIDE,
+                                          (FROM_MLP,), STREAM, self.collective_matmul),
+                               MLP_OUT)
 
 
 class Block(nnx.Module):

@@ -115,6 +115,9 @@ class Context:
         self.memory_limit = profile.memory_bytes * profile.usable_fraction / share
         pre = {leaf.path for leaf in layers[0].params} if layers else set()
         # A head with tied embeddings reads the embedding's weights: one copy on one stage.
+        # Blocks' tensor collectives under SP as rings where the backend overlaps (sharding.ring)
+        self.rings = cost.tensor_rings in (True, "auto") and profile.overlap
+        self.blocks = np.array([lay.kind == "block" for lay in cost.layers])
         self.tied = np.array([lay.kind == "post" and bool(lay.params)
                               and all(leaf.path in pre for leaf in lay.params) for lay in layers])
         self.span = stack_span([lay.kind for lay in layers],

@@ -118,7 +118,7 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     comm_s["data"] += gather_after * raw["data"]
     compute = microbatches * float(table.compute_time.sum()) \
         + fixed_memory_time(ctx, table, m, params, microbatches, zero)
-    comm_s["tensor"] = microbatches * float((table.time - table.compute_time).sum())  # critical
+    comm_s["tensor"], comm_hidden_tensor = tensor_time(ctx, layout, table, microbatches)
     step = compute + sum(comm_s.values())
     flops_step = ctx.flops_per_step(layout.remat)
     return Prediction(
@@ -127,7 +127,8 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
         flops_per_step=flops_step, flops_per_device=flops_step / ctx.n, compute_s=compute,
         bubble_s=0.0, comm_s=comm_s, comm_bytes=comm, step_time_s=step,
         stages=[(0, len(cost.layers))], stage_time_s=[step],
-        comm_hidden_s={k: hidden * share[k] for k in raw}, working_parts=working_parts,
+        comm_hidden_s={**{k: hidden * share[k] for k in raw}, "tensor": comm_hidden_tensor},
+        working_parts=working_parts,
         activation_parts={f"saved, live in {name}'s backward": acts})
 
 
@@ -166,6 +167,23 @@ def update_terms(ctx: Context, m: MasterTerms, params: float, layout: Layout, ze
         return accumulator, (0.0 if summed else params) + accumulator \
             + 2 * params * m.wide / zero + m.copy
     return accumulator, (params + params / zero) * m.wide + accumulator
+
+
+def tensor_time(ctx: Context, layout: Layout, table: LayerTable,
+                microbatches: int) -> tuple[float, float]:
+    """(exposed, hidden) seconds of the tensor collectives. On the critical path, except a
+    block's under sequence parallelism where the model runs them as rings
+    (:mod:`jaxmp.sharding.ring`, not inside pipeline stages): each of the ``t - 1`` sends of
+    a ring rides beside one sequence block's matmul, so up to ``(t-1)/t`` of the block's
+    compute hides them (GPU-compiled: every send has a matmul between start and done;
+    docs/planner.md §7). No per-send latency is charged."""
+    t = layout.sizes["tensor"]
+    raw = microbatches * (table.time - table.compute_time)
+    if not (ctx.rings and layout.sequence_parallel and t > 1):
+        return float(raw.sum()), 0.0
+    cover = microbatches * table.compute_time * (t - 1) / t
+    hidden = np.where(ctx.blocks, np.minimum(raw, cover), 0.0)
+    return float((raw - hidden).sum()), float(hidden.sum())
 
 
 def fixed_memory_time(ctx: Context, table: LayerTable, m: MasterTerms, params: float,

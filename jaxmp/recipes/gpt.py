@@ -151,7 +151,8 @@ def gpt_costs(config: Config, remats: Sequence[str] | None = None,
         if len(_COST_CACHE) >= 4:
             _COST_CACHE.pop(next(iter(_COST_CACHE)))
         _COST_CACHE[key] = cost
-    return dataclasses.replace(_COST_CACHE[key], runs_as=config.model.remat)
+    return dataclasses.replace(_COST_CACHE[key], runs_as=config.model.remat,
+                               tensor_rings=gcfg.collective_matmul)
 
 
 def gpt_plan(config: Config, n_devices: int, device_kind: str | None = None, *,

@@ -57,6 +57,9 @@ class ModelConfig(Section):
     rope_high_freq_factor: float = bounded(4.0, gt=0)  # llama3: original_max / this = short end
     rope_original_max_positions: int = bounded(8192, ge=1)  # llama3: the pre-training context
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    # under sequence parallelism, the tensor-parallel projections as ring collective matmuls
+    # (jaxmp.sharding.ring: each neighbour send beside a block's matmul); "auto": on GPU meshes
+    collective_matmul: bool | Literal["auto"] = "auto"
 
     def _validate(self) -> None:
         require(self.vocab_size != 1, "model.vocab_size", "must be 0 (from the data) or >= 2",

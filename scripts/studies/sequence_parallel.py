@@ -10,6 +10,11 @@ for 8 deviceless H100s, a 4-layer 2048-wide GPT at sequence 2048 in bf16, which 
 backend — ``--simulate-devices`` gives it — and JAX's CUDA plugin), then the step time on
 the devices: the two steps run interleaved A B A B (``--rounds`` rounds of ``--steps``
 steps each after a warm-up), the ratio on / off per round, its median and spread.
+
+    python scripts/measure.py sequence-parallel --simulate-devices 8 --collective-matmul
+
+times the ring collective matmuls (``model.collective_matmul`` true) against the
+partitioner's all-gathers / reduce-scatters (false), sequence parallelism on, data 2 x tensor 4.
 """
 from __future__ import annotations
 
@@ -66,8 +71,10 @@ def byte_rows(sets: list[str], devices: list, label: str, meshes: list[dict],
     return rows
 
 
-def timing(devices: list, axes: dict, rounds: int, steps: int) -> None:
-    """Step time on / off, the two compiled steps run interleaved in one process."""
+def timing(devices: list, axes: dict, rounds: int, steps: int,
+           variants: tuple[tuple[list[str], str], ...] = (([], "false"), ([], "true"))) -> None:
+    """Step time on / off (``variants``: extra settings and train.sequence_parallel of each),
+    the two compiled steps run interleaved in one process."""
     import jax
 
     from jaxmp.tools.bench import random_batch
@@ -75,8 +82,8 @@ def timing(devices: list, axes: dict, rounds: int, steps: int) -> None:
     from jaxmp.train.step import batch_sharding
 
     runs = []
-    for sp in ("false", "true"):
-        trainer, _ = build(CPU + mesh_sets(axes), sp, devices)
+    for extra, sp in variants:
+        trainer, _ = build(CPU + mesh_sets(axes) + extra, sp, devices)
         batch = random_batch(trainer.example_batch, high=256)
         batch = jax.device_put(batch, batch_sharding(trainer.layout, trainer.step_rules, batch))
         step = trainer.compile(batch)
@@ -106,10 +113,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", action="store_true", help="also compile for 8 deviceless H100s")
     p.add_argument("--rounds", type=int, default=7, help="0: bytes only, no timing")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--collective-matmul", action="store_true",
+                   help="time model.collective_matmul false (off) / true (on), sequence "
+                        "parallelism on, instead of the study above")
 
 
 def run(args: argparse.Namespace) -> int:
     devices = present(args, at_least=8)[:8]
+    if args.collective_matmul:  # the rings (jaxmp.sharding.ring) against the partitioner's
+        timing(devices, MESHES[0], args.rounds, args.steps,
+               tuple(([f"model.collective_matmul={on}"], "true") for on in ("false", "true")))
+        return 0
     backend = devices[0].platform.upper()
     head = ["backend", "mesh", "SP", "plan", "args pred", "args", "temp pred", "temp",
             "collectives pred", "collectives"]

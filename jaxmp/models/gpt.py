@@ -131,6 +131,33 @@ def recomputed(fn: Callable[..., jax.Array], *static: Any) -> Callable[..., jax.
     return f
 
 
+@jax.custom_vjp
+def weight_grad_first(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` whose backward pass hands on the input gradient only once the weight
+    gradient is computed (an ``optimization_barrier`` over both); the same gradients.
+
+    Why: the output head under sequence parallelism. Its weight gradient reads the final
+    norm's output gathered whole again (``[batch, seq, embed]``) and the logits' gradient
+    (``[batch, seq, vocab / tensor]``); nothing else needs it, so XLA's GPU scheduler ran it
+    after the layers' backward pass and kept both alive through it (gpt-1b at 4 layers,
+    tensor 8, 8 rows: 260 MiB beside every block's backward, docs/planner.md §7 "Stop 29").
+    Tying the two gradients ends both buffers where the head's backward ends, as without
+    sequence parallelism."""
+    return x @ w
+
+
+def _first_forward(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple]:
+    return x @ w, (x, w)
+
+
+def _first_backward(res: tuple, grad: jax.Array) -> tuple:
+    dx, dw = jax.vjp(jnp.matmul, *res)[1](grad)
+    return tuple(jax.lax.optimization_barrier((dx, dw)))
+
+
+weight_grad_first.defvjp(_first_forward, _first_backward)
+
+
 def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -332,7 +359,7 @@ class GPT(nnx.Module):
         # vocabulary), the partitioner gathered the logits' gradient and reduced the whole
         # vocabulary's gradient over data: +10 % bytes (docs/benchmarks.md).
         head = constrain(head.astype(x.dtype), ("act_embed", "act_vocab"))
-        logits = x @ head
+        logits = weight_grad_first(x, head)
         return constrain(logits, ("batch", "seq", "act_vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

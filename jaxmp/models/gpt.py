@@ -134,13 +134,15 @@ def recomputed(fn: Callable[..., jax.Array], *static: Any) -> Callable[..., jax.
 @jax.custom_vjp
 def weight_grad_first(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w`` whose backward pass hands on the input gradient only once the weight
-    gradient is computed (an ``optimization_barrier`` over both); the same gradients.
+    gradient is computed (an ``optimization_barrier`` over the input gradient and the weight
+    gradient, whose own value flows on outside it: the partitioner still reduce-scatters it
+    into the weights' shards, which it cannot do across a barrier); the same gradients.
 
     Why: the output head under sequence parallelism. Its weight gradient reads the final
     norm's output gathered whole again (``[batch, seq, embed]``) and the logits' gradient
     (``[batch, seq, vocab / tensor]``); nothing else needs it, so XLA's GPU scheduler ran it
     after the layers' backward pass and kept both alive through it (gpt-1b at 4 layers,
-    tensor 8, 8 rows: 260 MiB beside every block's backward, docs/planner.md §7 "Stop 29").
+    tensor 8, 4 microbatches: 11.44 -> 9.45 GiB compiled, docs/planner.md §7 "Stop 29").
     Tying the two gradients ends both buffers where the head's backward ends, as without
     sequence parallelism."""
     return x @ w
@@ -152,7 +154,8 @@ def _first_forward(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple]:
 
 def _first_backward(res: tuple, grad: jax.Array) -> tuple:
     dx, dw = jax.vjp(jnp.matmul, *res)[1](grad)
-    return tuple(jax.lax.optimization_barrier((dx, dw)))
+    dx, _ = jax.lax.optimization_barrier((dx, dw))
+    return dx, dw
 
 
 weight_grad_first.defvjp(_first_forward, _first_backward)

@@ -26,7 +26,7 @@ from jaxmp.gradsum import scan_layers
 from jaxmp.models.attention import attend
 from jaxmp.remat import (ATTENTION_OUT, ATTENTION_SCOPE, KEY, MLP_IN, MLP_OUT, QUERY, VALUE,
                          checkpointed)
-from jaxmp.sharding import constrain, constrain_param, names_of
+from jaxmp.sharding import constrain, constrain_param, names_of, splits
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -144,7 +144,7 @@ def weight_grad_first(x: jax.Array, w: jax.Array) -> jax.Array:
     after the layers' backward pass and kept both alive through it (gpt-1b at 4 layers,
     tensor 8, 4 microbatches: 11.44 -> 9.45 GiB compiled, docs/planner.md §7 "Stop 29").
     Tying the two gradients ends both buffers where the head's backward ends, as without
-    sequence parallelism."""
+    sequence parallelism (where the GPT does not use it)."""
     return x @ w
 
 
@@ -362,7 +362,11 @@ class GPT(nnx.Module):
         # vocabulary), the partitioner gathered the logits' gradient and reduced the whole
         # vocabulary's gradient over data: +10 % bytes (docs/benchmarks.md).
         head = constrain(head.astype(x.dtype), ("act_embed", "act_vocab"))
-        logits = weight_grad_first(x, head)
+        # Under sequence parallelism the weight gradient is made before the layers' backward
+        # (weight_grad_first); elsewhere XLA runs it at once anyway, and the barrier would
+        # only cost the data reduction of its partial sums a reduce-scatter (test_master).
+        sp = splits(x.shape, ("batch", "seq", "act_embed"), 1)
+        logits = (weight_grad_first if sp else jnp.matmul)(x, head)
         return constrain(logits, ("batch", "seq", "act_vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

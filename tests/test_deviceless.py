@@ -229,13 +229,14 @@ def test_gpu_step_runs_cudnn_flash_attention_and_fits(cudnn_step):
 def test_gpu_step_peak_as_predicted(cudnn_step, xla_step):
     """The planner's per-device peak against the GPU compiler's (arguments + temporaries).
 
-    Measured (jax 0.10.2): cuDNN -25 %, 90 against 120 MB (-16 %, 180 against 214 MB, while
-    the block's norms and GELU kept their intermediates: what that took off, 90 MB predicted
-    and 94 compiled, agrees; the 31 MB left is a larger share of the smaller peak). The cost
-    model keeps q, k, v, output and the softmax statistics of each layer, as the compiled loop
-    does; at this size the double-buffered layer loop holds more than one layer's working set
-    and the scan's residual weight casts stay gathered, which at the 8B shape they do not:
-    within 3 % there, docs/planner.md §7.
+    Measured (jax 0.10.2): cuDNN -24 %, 89.8 against 118.5 MB (-16 %, 180 against 214 MB,
+    while the block's norms and GELU kept their intermediates: what that took off, 90 MB
+    predicted and 94 compiled, agrees; the rest is a larger share of the smaller peak). The
+    cost model keeps q, k, v, output and the softmax statistics of each layer, as the compiled
+    loop does; what it misses is not cuDNN's: the GPU compiler's split-K weight gradients,
+    float32 partial products [splits, M, N] of the block's small weights (26 of the 27 MiB at
+    the peak; docs/planner.md §7 "Stop 29"), which at the 8B shape are negligible: within 3 %
+    there.
     XLA +28 % — a known miss, on the safe side:
     the cost model's residuals of XLA's attention include float32 S x S arrays the GPU compiler
     fuses into one bfloat16 one (docs/planner.md). Arguments are exact: the same sharded state.

@@ -13,6 +13,7 @@ from jax.ad_checkpoint import print_saved_residuals
 import jaxmp
 from jaxmp import rules
 from jaxmp.models import GPT, lm_loss
+from jaxmp.models.gpt import weight_grad_first
 from helpers import TINY, lm_batch
 
 
@@ -227,3 +228,20 @@ def test_research_layers_without_names_recompute_everything_under_a_name_policy(
             for r in ("save_dots_except_mlp_in", "full", "save_dots")}
     assert kept["save_dots_except_mlp_in"] == kept["full"] != kept["save_dots"]
     _assert_close(jax.grad(loss("save_dots_except_mlp_in"))(params), jax.grad(loss("none"))(params))
+
+
+def test_head_weight_gradient_is_tied_to_its_input_gradient():
+    """The output head's matmul (jaxmp.models.gpt.weight_grad_first) has the plain matmul's
+    value and gradients, and its backward pass hands both out of one optimization barrier:
+    the GPU scheduler cannot postpone the weight gradient past the layers' backward
+    (docs/planner.md §7, Stop 29)."""
+    x = jax.random.normal(jax.random.key(0), (2, 8, 16))
+    w = jax.random.normal(jax.random.key(1), (16, 32))
+    loss = lambda f: lambda x, w: jnp.sum(jnp.tanh(f(x, w)))  # noqa: E731
+    got = jax.grad(loss(weight_grad_first), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(jnp.matmul), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(weight_grad_first(x, w), x @ w, rtol=1e-6)
+    for g, h in zip(got, want):
+        np.testing.assert_allclose(g, h, rtol=1e-6)
+    backward = str(jax.make_jaxpr(jax.grad(loss(weight_grad_first), argnums=(0, 1)))(x, w))
+    assert "optimization_barrier" in backward

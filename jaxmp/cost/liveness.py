@@ -8,6 +8,12 @@ simulation materialises a value only when a non-fusible operation (matmul, reduc
 Each materialised value lives from its definition to its last read, in program order. The
 result is the largest sum of live values during the backward pass, excluding the parameters,
 the saved activations and the parameter gradients (which the caller accounts for).
+
+Sequence parallelism splits the residual stream's sequence over ``tensor``, but not where a
+matmul meets it: a column-parallel matmul reads its input gathered whole, a row-parallel one
+writes its partial sums whole before the reduce-scatter, and the backward pass does the same
+with the gradients and gathers the saved input of each weight gradient again. The timeline
+marks those values (:attr:`Timeline.matmul`) so a layout's peak can count them whole.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class _Node:
     ins: list[int]
     outs: list[int]
     backward: bool
+    matmul: bool = False
 
 
 class _Flat:
@@ -70,7 +77,11 @@ class _Flat:
             outs = [self.new(v.aval) for v in eqn.outvars]
             env.update(zip(eqn.outvars, outs))
             fusible = _fusible(eqn)
-            self.nodes.append(_Node(fusible, ins, outs, F.is_backward(full)))
+            self.nodes.append(_Node(fusible, ins, outs, F.is_backward(full),
+                                    eqn.primitive.name == "dot_general"))
+
+
+MATMUL, GATHERED = 1, 2  # Timeline.matmul kinds
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,9 @@ class Timeline:
     rows: int
     backward_start: int
     steps: int
+    # Per value: 0, or MATMUL (a matmul's operand or result), or GATHERED (a copy of a saved
+    # activation a backward matmul reads, which exists only where the sequence is split).
+    matmul: tuple[int, ...] = ()
 
     def with_batch_dims(self, one_row: Timeline | None) -> Timeline:
         """Batch dims from the same program traced at one row (values match by position)."""
@@ -98,7 +112,7 @@ class Timeline:
             bdims = tuple(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                           for a, b in zip(self.shapes, one_row.shapes))
         return Timeline(self.starts, self.stops, self.shapes, self.itemsizes, bdims,
-                        self.rows, self.backward_start, self.steps)
+                        self.rows, self.backward_start, self.steps, self.matmul)
 
     def peak(self, rows: float, divisor: Any = None, upcast_16bit: bool = False) -> float:
         """Largest live bytes during the backward pass at ``rows`` batch rows, each value
@@ -106,14 +120,25 @@ class Timeline:
         counts 16-bit values as float32."""
         return self.peak_of(self.sizes(divisor, upcast_16bit), rows)
 
-    def sizes(self, divisor: Any = None, upcast_16bit: bool = False
-              ) -> tuple[np.ndarray, np.ndarray]:
-        """Each value's (constant bytes, bytes per batch row): what :meth:`peak_of` needs."""
+    def sizes(self, divisor: Any = None, upcast_16bit: bool = False, whole: Any = None,
+              regather: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Each value's (constant bytes, bytes per batch row): what :meth:`peak_of` needs.
+        ``whole``: with the sequence split by ``divisor`` (sequence parallelism), the divisor
+        without that split, for the values beside matmuls (None: the sequence is whole);
+        ``regather``: the backend gathers the saved inputs of weight gradients again
+        (:func:`jaxmp.plan.sequence.regathers`)."""
         const, per_row = np.zeros(len(self.shapes)), np.zeros(len(self.shapes))
-        for k, (shape, item, bdim) in enumerate(zip(self.shapes, self.itemsizes,
-                                                    self.batch_dims)):
+        kinds = self.matmul or (0,) * len(self.shapes)
+        for k, (shape, item, bdim, kind) in enumerate(zip(self.shapes, self.itemsizes,
+                                                          self.batch_dims, kinds)):
             item = 4 if upcast_16bit and item == 2 else item
-            size = math.prod(shape) * item / (divisor(shape, bdim) if divisor else 1)
+            div = divisor(shape, bdim) if divisor else 1
+            if kind:
+                split = whole is not None and whole(shape, bdim) != div
+                if kind == GATHERED and not (split and regather):
+                    continue  # stored whole or split by heads: used in place
+                div = whole(shape, bdim) if split else div
+            size = math.prod(shape) * item / div
             if bdim is None:
                 const[k] = size
             else:
@@ -188,7 +213,18 @@ def backward_timeline(jaxpr: Any, exclude: list[Any], live_inputs: list[Any] = (
             for a in anchors_of(v):
                 last[a] = max(last.get(a, -1), i)
     end = len(nodes)
-    starts, stops, shapes, items = [], [], [], []
+    primal = [producer[env[v]] for v in primal_outputs
+              if not isinstance(v, jcore.Literal) and env.get(v) in producer]
+    bwd = max(primal) + 1 if primal else next(
+        (i for i, n in enumerate(nodes) if n.backward), end)
+    beside = {v for n in nodes if n.matmul for v in (*n.ins, *n.outs)}
+    # the saved activations the backward's matmuls read: first and last such read
+    reads: dict[int, list[int]] = {}
+    for i, n in enumerate(nodes[bwd:], bwd):
+        for v in n.ins if n.matmul else ():
+            if v in skip and flat.size[v]:
+                reads.setdefault(v, []).append(i)
+    starts, stops, shapes, items, kinds = [], [], [], [], []
     for v in sorted(material | counted_inputs):  # ids follow program order: traces align
         if v in skip or not flat.size[v]:
             continue
@@ -197,9 +233,12 @@ def backward_timeline(jaxpr: Any, exclude: list[Any], live_inputs: list[Any] = (
         stops.append(end - 1 if v in outputs else max(last.get(v, start), start))
         shapes.append(flat.shape[v])
         items.append(flat.size[v] // max(1, math.prod(flat.shape[v])))
-    primal = [producer[env[v]] for v in primal_outputs
-              if not isinstance(v, jcore.Literal) and env.get(v) in producer]
-    bwd = max(primal) + 1 if primal else next(
-        (i for i, n in enumerate(nodes) if n.backward), end)
+        kinds.append(MATMUL if v in beside else 0)
+    for v, at in sorted(reads.items()):
+        starts.append(min(at))
+        stops.append(max(at))
+        shapes.append(flat.shape[v])
+        items.append(flat.size[v] // max(1, math.prod(flat.shape[v])))
+        kinds.append(GATHERED)
     return Timeline(tuple(starts), tuple(stops), tuple(shapes), tuple(items),
-                    (None,) * len(shapes), rows, bwd, end)
+                    (None,) * len(shapes), rows, bwd, end, tuple(kinds))

@@ -26,7 +26,7 @@ from jaxmp.gradsum import scan_layers
 from jaxmp.models.attention import attend
 from jaxmp.remat import (ATTENTION_OUT, ATTENTION_SCOPE, KEY, MLP_IN, MLP_OUT, QUERY, VALUE,
                          checkpointed)
-from jaxmp.sharding import constrain, constrain_param, names_of
+from jaxmp.sharding import constrain, constrain_param, names_of, splits
 from jaxmp.sharding.ring import column_matmul, row_matmul
 
 # Logical names of the activations around the tensor-parallel projections.
@@ -142,6 +142,36 @@ def recomputed(fn: Callable[..., jax.Array], *static: Any) -> Callable[..., jax.
 
     f.defvjp(forward, backward)
     return f
+
+
+@jax.custom_vjp
+def weight_grad_first(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` whose backward pass hands on the input gradient only once the weight
+    gradient is computed (an ``optimization_barrier`` over the input gradient and the weight
+    gradient, whose own value flows on outside it: the partitioner still reduce-scatters it
+    into the weights' shards, which it cannot do across a barrier); the same gradients.
+
+    Why: the output head under sequence parallelism. Its weight gradient reads the final
+    norm's output gathered whole again (``[batch, seq, embed]``) and the logits' gradient
+    (``[batch, seq, vocab / tensor]``); nothing else needs it, so XLA's GPU scheduler ran it
+    after the layers' backward pass and kept both alive through it (gpt-1b at 4 layers,
+    tensor 8, 4 microbatches: 11.44 -> 9.45 GiB compiled, docs/planner.md §7 "Stop 29").
+    Tying the two gradients ends both buffers where the head's backward ends, as without
+    sequence parallelism (where the GPT does not use it)."""
+    return x @ w
+
+
+def _first_forward(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple]:
+    return x @ w, (x, w)
+
+
+def _first_backward(res: tuple, grad: jax.Array) -> tuple:
+    dx, dw = jax.vjp(jnp.matmul, *res)[1](grad)
+    dx, _ = jax.lax.optimization_barrier((dx, dw))
+    return dx, dw
+
+
+weight_grad_first.defvjp(_first_forward, _first_backward)
 
 
 def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -361,7 +391,11 @@ class GPT(nnx.Module):
         # vocabulary), the partitioner gathered the logits' gradient and reduced the whole
         # vocabulary's gradient over data: +10 % bytes (docs/benchmarks.md).
         head = constrain(head.astype(x.dtype), ("act_embed", "act_vocab"))
-        logits = x @ head
+        # Under sequence parallelism the weight gradient is made before the layers' backward
+        # (weight_grad_first); elsewhere XLA runs it at once anyway, and the barrier would
+        # only cost the data reduction of its partial sums a reduce-scatter (test_master).
+        sp = splits(x.shape, ("batch", "seq", "act_embed"), 1)
+        logits = (weight_grad_first if sp else jnp.matmul)(x, head)
         return constrain(logits, ("batch", "seq", "act_vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

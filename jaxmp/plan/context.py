@@ -191,8 +191,13 @@ class Context:
         if remat not in lay.transient:  # the root's code: its gradients mirror what it keeps
             return 2 * io + self._saved_bytes(i, remat, fsdp, tensor, rows, True, sp)
         div = self._divisor(i, fsdp, tensor, sp)
+        # With the sequence split, a matmul's activation operands and results stay whole
+        # (gathered inputs, partial sums before the reduce-scatter; jaxmp.cost.liveness).
+        whole = self._divisor(i, fsdp, tensor, False) if sp else None
         sizes = self.cached(("transient", i, remat, fsdp, tensor, sp),
-                            lambda: lay.transient[remat].sizes(div, self.profile.upcasts_16bit))
+                            lambda: lay.transient[remat].sizes(
+                                div, self.profile.upcasts_16bit, whole,
+                                self.profile.reassociates_all_reduce))
         return lay.transient[remat].peak_of(sizes, rows)
 
     def link_bw(self, sizes: dict[str, int]) -> dict[str, float]:

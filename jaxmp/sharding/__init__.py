@@ -12,7 +12,7 @@ Research code uses the same names through the facade ``from jaxmp import rules``
 """
 
 from jaxmp.sharding.activations import (activation_sharding, constrain, current_mesh, gathered,
-                                        named, recording_names, spec_without)
+                                        named, recording_names, spec_without, splits)
 from jaxmp.sharding.lint import LintReport, lint
 from jaxmp.sharding.params import constrain_param, param_gathering
 from jaxmp.sharding.resolve import (DEFAULT_RULES, Axes, Fallback, Names, PathRule, Resolution,
@@ -29,4 +29,4 @@ __all__ = ["DEFAULT_RULES", "METADATA_KEYS", "Axes", "Fallback", "Leaf", "LintRe
            "logical_spec", "named", "names_of", "normalize_rules", "normalize_spec",
            "param_gathering", "recording_names", "resolve", "resolve_leaves",
            "sequence_parallel_rules", "shardings_for", "shards_sequence", "spec_without",
-           "specs_for", "tree_leaves", "without_eager_sharding"]
+           "specs_for", "splits", "tree_leaves", "without_eager_sharding"]

@@ -80,6 +80,18 @@ def constrain(x: Any, names: Sequence[str | None]) -> Any:
     return jax.lax.with_sharding_constraint(x, named(mesh, spec))
 
 
+def splits(shape: Sequence[int], names: Sequence[str | None], dim: int) -> bool:
+    """Whether an activation of ``shape`` named ``names`` is split along ``dim`` by the rules
+    active now (False outside :func:`activation_sharding`): e.g. the residual stream's
+    sequence under sequence parallelism."""
+    active = _ACTIVE.get()
+    if active is None:
+        return False
+    mesh, rules = active
+    spec = logical_spec(names, tuple(shape), mesh, rules)
+    return len(spec) > dim and spec[dim] is not None
+
+
 def spec_without(spec: Sequence[Any], axis: str) -> P:
     """``spec`` (a PartitionSpec's entries) with mesh axis ``axis`` removed from every dim:
     the sharding an array has once gathered over ``axis``."""

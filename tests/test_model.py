@@ -13,7 +13,7 @@ from jax.ad_checkpoint import print_saved_residuals
 import jaxmp
 from jaxmp import rules
 from jaxmp.models import GPT, lm_loss
-from jaxmp.models.gpt import weight_grad_first
+from jaxmp.models.vjp import weight_grad_first
 from helpers import TINY, lm_batch
 
 
@@ -231,7 +231,7 @@ def test_research_layers_without_names_recompute_everything_under_a_name_policy(
 
 
 def test_head_weight_gradient_is_tied_to_its_input_gradient():
-    """The output head's matmul (jaxmp.models.gpt.weight_grad_first) has the plain matmul's
+    """The output head's matmul (jaxmp.models.vjp.weight_grad_first) has the plain matmul's
     value and gradients, and its backward pass hands both out of one optimization barrier:
     the GPU scheduler cannot postpone the weight gradient past the layers' backward
     (docs/planner.md §7, Stop 29)."""

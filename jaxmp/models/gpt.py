@@ -67,7 +67,7 @@ class GPTConfig:
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     # tensor-parallel projections under sequence parallelism as ring collective matmuls
     # (jaxmp.sharding.ring); "auto": on GPU meshes
-    collective_matmul: bool | str = "auto"
+    collective_matmul: bool | str = False
 
     @property
     def n_params(self) -> int:

@@ -36,6 +36,12 @@ def activation_sharding(mesh: Mesh, rules: Sequence[Rule] = DEFAULT_RULES) -> It
         _ACTIVE.reset(token)
 
 
+def active() -> tuple[Any, tuple[Rule, ...]] | None:
+    """The ``(mesh, rules)`` of the enclosing :func:`activation_sharding`, or None: for code
+    that shapes its own ``shard_map`` from them (``jaxmp.sharding.ring``)."""
+    return _ACTIVE.get()
+
+
 @contextlib.contextmanager
 def recording_names() -> Iterator[set[str]]:
     """Collect the logical names :func:`constrain` is called with while tracing inside (the

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxmp.sharding.activations import _ACTIVE, current_mesh
+from jaxmp.sharding.activations import active, current_mesh
 from jaxmp.sharding.resolve import resolve
 
 AXIS = "tensor"
@@ -68,10 +68,10 @@ def _ring(setting: bool | str, x: Any, weights: Sequence[Any], x_names: Names,
           weight_names: Sequence[Names], out_names: Sequence[Names], out_shapes: Sequence[Any],
           column: bool) -> tuple[Any, Any, tuple[P, ...], tuple[P, ...]] | None:
     """(context mesh, tensor size, in specs, out specs) where the ring applies, else None."""
-    active = _ACTIVE.get()
-    if active is None:
+    found = active()
+    if found is None:
         return None
-    mesh, rules = active
+    mesh, rules = found
     if not _enabled(setting, mesh):
         return None
     context = current_mesh(mesh)

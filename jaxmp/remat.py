@@ -25,7 +25,14 @@ REMAT_POLICIES: dict[str, Any] = {
     "none": None,  # no jax.checkpoint at all: keep every residual
     # Keep the projections' outputs (matmuls without batch dims); recompute attention scores,
     # norms and activations, which are cheap in FLOPs but large in bytes.
-    "save_dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # The row projections' outputs by name as well: as ring collective matmuls
+    # (jaxmp.sharding.ring) they are sums of per-block products, not dots, and without their
+    # names the policy kept every block's product and re-ran the ring's sends to add them up
+    # again in the backward (Llama-3-70B's width, fsdp 8 x tensor 8: 7 more [rows, seq/t,
+    # d_model] arrays per layer). Plainly partitioned they are dots: saved either way.
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+        jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, MLP_OUT)),
     # MaxText's save_dot_except_mlpwi: keep the projections' outputs but the MLP's wide inputs
     # (4x-3.5x d_model, two of them with SwiGLU: most of save_dots' bytes), which are
     # recomputed with their activation, and attention, from the block's input and the kept q/k/v.

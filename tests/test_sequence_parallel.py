@@ -377,11 +377,17 @@ def test_gpu_compiler_hides_the_ring_sends_behind_matmuls():
     config = jaxmp.load_config(None, sets)
     plan = gpt_plan(config, 4, device_kind="H100", platform="cuda")
     m = measure_step(gpt_trainer(config, devices=list(topo.devices), with_data=False, plan=plan))
-    kinds = collective_overlap(m.compiled).by_kind()
+    overlap = collective_overlap(m.compiled)
+    kinds = overlap.by_kind()
     ring = kinds["collective-permute"]
-    # jax 0.10.2's XLA: 58 of 58 beside a matmul; jax 0.12's: 22 of 36
+    # jax 0.10.2's XLA: 57 of 58 beside a matmul; jax 0.12's: 22 of 36. The one left: the
+    # first block's last input-gradient send, outside the layer loop, since the weight
+    # gradient is one matmul over the re-gathered input (stop 30; was one per block)
     assert ring["async"] > 0 and ring["overlapped"] > ring["exposed"]
-    assert ring["exposed"] == 0 or jax.__version_info__ >= (0, 11)
+    exposed = [c for c in overlap.collectives if c.kind == "collective-permute"
+               and not c.overlapped]
+    assert (not any(c.in_loop for c in exposed) and len(exposed) <= 1) \
+        or jax.__version_info__ >= (0, 11)
     assert kinds["all-gather"]["async"] <= 2 and kinds["reduce-scatter"]["async"] <= 1
     p = plan.predicted  # what stays exposed: the embedding's and the head's
     assert 0 < p.comm_s["tensor"] < 0.5 * p.comm_hidden_s["tensor"]

@@ -75,10 +75,13 @@ def _ring(setting: bool | str, x: Any, weights: Sequence[Any], x_names: Names,
         return None
     context = current_mesh(mesh)
     if STAGE in set(getattr(context, "manual_axes", ())):
-        # inside the pipeline's stage shard_map the ring equals the plain call on an isolated
-        # nested shard_map (with a cond) but not in the executor's ticks (a 2-stage GPT's
-        # loss off by 4e-4): not found yet, so pipelined stages keep the partitioner's
-        # collectives. (A data replica's shard_map, the reducer's, is fine: tested.)
+        # inside the pipeline's stage shard_map a ppermute over tensor is ONE collective whose
+        # source-target pairs span every stage's devices, and the executor runs a stage's
+        # blocks inside its tick conditionals, which the idle stages skip: XLA:CPU's
+        # rendezvous waits for all 8 devices and 4 arrive (stage 2 x data 2 x tensor 2,
+        # stop 30: a deadlock, then an abort). Pipelined stages keep the partitioner's
+        # collectives (grouped per stage). (A data replica's shard_map, the reducer's, is
+        # fine: tested.)
         return None
     t = int(dict(mesh.shape).get(AXIS, 1))
     if t <= 1 or x.shape[SEQ_DIM] % t:

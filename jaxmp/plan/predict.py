@@ -179,7 +179,7 @@ def tensor_time(ctx: Context, layout: Layout, table: LayerTable,
     docs/planner.md §7). No per-send latency is charged."""
     t = layout.sizes["tensor"]
     raw = microbatches * (table.time - table.compute_time)
-    if not (ctx.rings and layout.sequence_parallel and t > 1):
+    if not (ctx.rings and layout.sequence_parallel and t > 1 and layout.sizes["stage"] == 1):
         return float(raw.sum()), 0.0
     cover = microbatches * table.compute_time * (t - 1) / t
     hidden = np.where(ctx.blocks, np.minimum(raw, cover), 0.0)

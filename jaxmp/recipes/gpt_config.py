@@ -58,10 +58,10 @@ class ModelConfig(Section):
     rope_original_max_positions: int = bounded(8192, ge=1)  # llama3: the pre-training context
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     # under sequence parallelism, the tensor-parallel projections as ring collective matmuls
-    # (jaxmp.sharding.ring: each neighbour send beside a block's matmul); "auto": on GPU meshes.
-    # Off by default: at Llama-3-70B's width the GPU program's peak is 30 % above the plan's
-    # (docs/planner.md §7 "Tensor collectives as rings"), so the planner cannot yet rely on it
-    collective_matmul: bool | Literal["auto"] = False
+    # (jaxmp.sharding.ring: each neighbour send beside a block's matmul); "auto": on GPU meshes,
+    # outside pipeline stages (the planner keeps them where they pay: sequence parallelism
+    # with tensor > 1; their memory and bytes are sequence parallelism's, docs/planner.md §7)
+    collective_matmul: bool | Literal["auto"] = "auto"
 
     def _validate(self) -> None:
         require(self.vocab_size != 1, "model.vocab_size", "must be 0 (from the data) or >= 2",

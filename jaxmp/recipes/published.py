@@ -170,8 +170,8 @@ PUBLISHED_BF16: tuple[PublishedRun, ...] = (
                    "this run reached 53.5 % MFU end to end (0.54 of peak in jaxmp's FLOP "
                    "count), and the tensor collectives (0.9 s) and the data reduction after "
                    "the schedule (0.5 s) exposed, as jaxmp's XLA program runs them (GPU-"
-                   "compiled: docs/planner.md §6; the ring collective matmuls, opt-in, do not "
-                   "run inside pipeline stages yet); Megatron overlaps them"),
+                   "compiled: docs/planner.md §6; the ring collective matmuls do not run "
+                   "inside pipeline stages); Megatron overlaps them"),
     PublishedRun(
         "NeMo Nemotron-4 15B bf16", f"{_DGXC} v25.01 nemotron/README_15b.md (NeMo 24.11, "
         "DGX-H100, BF16) with its configure.sh and nemotron4-15b-synth.yaml: TP 4, "
@@ -184,12 +184,11 @@ PUBLISHED_BF16: tuple[PublishedRun, ...] = (
          "train.optimizer_sharding": "data", "train.sequence_parallel": "true"},
         2.83, "92,630 tokens/s (62.1 % MFU, BF16)",
         notes=("squared-ReLU MLP costed as jaxmp's gelu MLP: the same matmuls",),
-        xfail_time="predicted 48 % slow: compute 3.4 s at the H100's 0.45 efficiency "
+        xfail_time="predicted 33 % slow: compute 3.4 s at the H100's 0.45 efficiency "
                    "where this run reached 62.1 % MFU end to end (0.55 of peak in jaxmp's "
-                   "FLOP count), and the tensor collectives (0.44 s) and the data reduction "
-                   "after the microbatches (0.35 s) exposed, as jaxmp's XLA program runs "
-                   "them; with model.collective_matmul=true (rings, not yet the default: "
-                   "docs/planner.md §6) +33 %"),
+                   "FLOP count), and the data reduction after the microbatches (0.35 s) "
+                   "exposed; the tensor collectives run as ring collective matmuls beside "
+                   "the matmuls (0.44 s exposed without them, docs/planner.md §6)"),
     PublishedRun(
         "BLOOM 176B", "bigscience-workshop/bigscience train/tr11-176B-ml: tr11-176B-ml.slurm "
         "(Megatron-DeepSpeed, TP 4, PP 12, micro-batch 2, --bf16 with its ZeRO-1-equivalent "

@@ -265,6 +265,24 @@ def test_nothing_fitting_under_fixed_settings_names_the_setting_that_would():
     assert fix and "set model.remat=" in fix[0] and "fits at" in fix[0], p.notes
 
 
+def test_a_fixed_mesh_axis_is_named_when_only_changing_it_makes_a_plan_fit():
+    """1B-wide float32 at seq 4096 with mesh.tensor=8, remat none and one microbatch fixed: no
+    remat or microbatch count fits at tensor 8 and no device count helps the user's mesh;
+    the plan names the mesh axes to change with the rest (stop 30: it named a device count
+    at tensor 1, which the user's fixed tensor ruled out)."""
+    from jaxmp.config import REMAT_POLICY_NAMES
+    from jaxmp.recipes.gpt import gpt_plan
+
+    config = jaxmp.load_config("configs/gpt-1b.toml", [
+        "model.compute_dtype=float32", "data.seq_len=4096", "model.layers=4",
+        "train.batch_size=512", "mesh.tensor=8", "model.remat=none", "train.microbatches=1"])
+    p = gpt_plan(config, 8, "H100", remats=REMAT_POLICY_NAMES, strict=True)
+    assert not p.fits and p.layout.sizes["tensor"] == 8
+    fix = [n for n in p.notes if n.startswith("nothing runnable fits")]
+    assert fix and "mesh.tensor=" in fix[0] and "fits at" in fix[0], p.notes
+    assert not any("would be needed" in n for n in p.notes)
+
+
 # ---------------------------------------------------------------- XLA's GPU compiler
 
 @pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry")

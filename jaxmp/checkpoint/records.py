@@ -241,6 +241,12 @@ def to_plain(x: jax.Array, rows: Sequence[int]) -> jax.Array:
     return jnp.take(flat, jnp.asarray(np.asarray(rows)), axis=0)
 
 
+def plain_numpy(a: np.ndarray, rec: Mapping[str, Any]) -> np.ndarray:
+    """A host array stored as ``rec`` describes it, in the plain layout (:func:`to_plain`)."""
+    rows = rec.get("rows")
+    return a if rows is None else a.reshape((-1,) + a.shape[2:])[np.asarray(rows)]
+
+
 def to_padded(x: jax.Array, rows: Sequence[int], shape: Sequence[int]) -> jax.Array:
     """``[L, ...]`` → the padded stack of ``shape`` (zeros in padding rows)."""
     flat = jnp.zeros((shape[0] * shape[1],) + tuple(shape[2:]), x.dtype)

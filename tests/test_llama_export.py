@@ -132,3 +132,25 @@ def test_tied_embeddings_export_as_tie_word_embeddings(tmp_path):
                           cfg, ids)
     ours = np.asarray(model(jnp.asarray(ids[None], jnp.int32))[0])
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_a_pipelined_checkpoint_exports_like_the_plain_one(exported, tmp_path):
+    """A run trained with stages stores its layer stack padded ``[P, V·Lmax, ...]``: exported
+    in the plain layout, the same tensors as the plain checkpoint's (it crashed before stop
+    30: the stage count was read as the layer count)."""
+    from jaxmp.pipeline.chunk import to_stages
+    from jaxmp.pipeline.stages import split_layers
+    from jaxmp.recipes.gpt import gpt_pipeline
+
+    model, weights, _ = exported
+    config = load_config(None, LLAMA)
+    staged = to_stages(nnx.state(model), gpt_pipeline(config),
+                       split_layers([1.0] * 4, 2, 1, "layers"))
+    checkpoint.save(tmp_path / "checkpoints", 9, {"params": staged},
+                    config_toml=config_to_toml(config))
+    assert main(["ckpt", "export", str(tmp_path), "--format", "llama", "--out",
+                 str(tmp_path / "hf")]) == 0
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(got) == set(weights)
+    for k, v in weights.items():
+        np.testing.assert_array_equal(got[k], v)

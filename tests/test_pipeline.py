@@ -15,7 +15,7 @@ from flax import nnx
 
 import jaxmp
 from jaxmp import sharding
-from jaxmp.checkpoint.records import to_plain
+from jaxmp.checkpoint.records import flat_paths, to_plain
 from jaxmp.config import OptimizerConfig
 from jaxmp.errors import ConfigError
 from jaxmp.hlo import collective_stats
@@ -338,6 +338,13 @@ def test_three_steps_and_checkpoints_match_the_plain_run(plain_run, tmp_path):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         assert x.shape == y.shape
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    # exported in the plain layout too (it wrote the stages' padded stacks before stop 30)
+    from safetensors.numpy import load_file
+    jaxmp.checkpoint.export_safetensors(piped.run_dir, tmp_path / "p.safetensors")
+    exported, restored = load_file(tmp_path / "p.safetensors"), flat_paths(a)
+    assert set(exported) == set(restored)
+    for k, v in exported.items():
+        np.testing.assert_array_equal(v, np.asarray(restored[k]))
     # the pipelined checkpoint resumed without stages, and the plain one with 4 stages
     unpiped = _fit(tmp_path / "piped", "mesh.stage=1", devices=one_device(), steps=4)
     repiped = _fit(plain_run.run_dir, "mesh.stage=4", "mesh.data=2", steps=4)

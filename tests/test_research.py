@@ -101,6 +101,15 @@ def test_d2f2t2_step_equals_one_device(lm, one_device_step, capfd):
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
 
 
+def test_sequence_parallel_without_a_seq_name_is_refused_not_claimed(lm):
+    """train.sequence_parallel=true on a model planned without costs whose activations never
+    name ``seq`` (the example constrains none): its step would be the plain one while the
+    executed layout said sequence parallel — refused when the step is traced."""
+    t = _trainer(lm, {"data": 2, "tensor": 4}, extra=["train.sequence_parallel=true"])
+    with pytest.raises(jaxmp.errors.ConfigError, match="names no activation's sequence dim"):
+        t.compile(_example(lm))
+
+
 def test_per_step_randomness_is_fresh_and_reproducible(lm):
     from jaxmp.train.state import init_state
     from jaxmp.train.step import batch_sharding, make_grad_fn, step_key

@@ -117,6 +117,27 @@ def test_compressed_reduction_with_a_sharded_optimizer(tmp_path):
     _close(a["opt_state"], b["opt_state"], rtol=1e-4, atol=1e-2)
 
 
+def test_compression_residuals_resume_on_another_data_size(tmp_path):
+    """int8's error-feedback residuals ([data, ...], one per replica) saved on data 8 resume
+    on data 4 x tensor 2 (they were refused as a model change): spread evenly with the same
+    sum — the reduction sums the replicas' residuals, so that is what it still owes."""
+    from jaxmp.checkpoint import records
+
+    old = {"shape": [8, 6, 4], "dtype": "float32", "names": ["data", "embed", None]}
+    new = {**old, "shape": [4, 6, 4]}
+    assert records.mismatch({"r": old}, {"r": new}) is None
+    assert records.mismatch({"r": old}, {"r": {**new, "shape": [4, 6, 5]}}) is not None
+    x = jax.random.normal(jax.random.key(0), (8, 6, 4))
+    moved = np.asarray(records.convert(x, old, new, jax.sharding.SingleDeviceSharding(
+        jax.devices()[0])))
+    assert moved.shape == (4, 6, 4) and (moved == moved[:1]).all()
+    np.testing.assert_allclose(moved.sum(0), np.asarray(x).sum(0), rtol=1e-5, atol=1e-6)
+    extra = ("compression.gradients=int8", "model.layers=2")
+    _fit(tmp_path, *extra, "mesh.data=8", steps=1)
+    back = _fit(tmp_path, *extra, "mesh.data=4", "mesh.tensor=2", steps=2)
+    assert int(back.state.step) == 2 and np.isfinite(back.history[-1]["loss"])
+
+
 # ---------------------------------------------------------------- the step, guarded
 
 def _guarded(sharded: bool):
@@ -263,6 +284,24 @@ def test_nothing_fitting_under_fixed_settings_names_the_setting_that_would():
     assert not any("nothing fits even on" in n for n in p.notes)
     fix = [n for n in p.notes if n.startswith("nothing runnable fits")]
     assert fix and "set model.remat=" in fix[0] and "fits at" in fix[0], p.notes
+
+
+def test_a_fixed_mesh_axis_is_named_when_only_changing_it_makes_a_plan_fit():
+    """1B-wide float32 at seq 4096 with mesh.tensor=8, remat none and one microbatch fixed: no
+    remat or microbatch count fits at tensor 8 and no device count helps the user's mesh;
+    the plan names the mesh axes to change with the rest (stop 30: it named a device count
+    at tensor 1, which the user's fixed tensor ruled out)."""
+    from jaxmp.config import REMAT_POLICY_NAMES
+    from jaxmp.recipes.gpt import gpt_plan
+
+    config = jaxmp.load_config("configs/gpt-1b.toml", [
+        "model.compute_dtype=float32", "data.seq_len=4096", "model.layers=4",
+        "train.batch_size=512", "mesh.tensor=8", "model.remat=none", "train.microbatches=1"])
+    p = gpt_plan(config, 8, "H100", remats=REMAT_POLICY_NAMES, strict=True)
+    assert not p.fits and p.layout.sizes["tensor"] == 8
+    fix = [n for n in p.notes if n.startswith("nothing runnable fits")]
+    assert fix and "mesh.tensor=" in fix[0] and "fits at" in fix[0], p.notes
+    assert not any("would be needed" in n for n in p.notes)
 
 
 # ---------------------------------------------------------------- XLA's GPU compiler

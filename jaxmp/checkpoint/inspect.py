@@ -158,6 +158,8 @@ def export_safetensors(path: str | os.PathLike, out: str | os.PathLike, step: in
 
     ``what="params"``: the ``params`` subtree, names relative to it (``blocks/attn/q``);
     ``"state"``: every array under its full path. Logical names go into the file's metadata.
+    Layer stacks a pipelined run stored padded over its stages are written in the plain
+    ``[layers, ...]`` layout, as :func:`jaxmp.checkpoint.restore` returns them.
     """
     ckdir, step = store.locate(path, step)
     step_dir = ckdir / str(step)
@@ -168,9 +170,11 @@ def export_safetensors(path: str | os.PathLike, out: str | os.PathLike, step: in
     elif what not in ("params", "state"):
         raise CheckpointError(f"export what= must be 'params' or 'state', got {what!r}")
     chosen = {p: r for p, r in records.items() if p.startswith(prefix)}
+    plain = {p: tree.plain_record(r) for p, r in chosen.items()}
     metadata = {"format": "pt", "jaxmp_step": str(step), "logical_names": json.dumps(
-        {p[len(prefix):]: r.get("names") for p, r in chosen.items()})}
+        {p[len(prefix):]: r.get("names") for p, r in plain.items()})}
     size = write_safetensors(
-        out, [(p[len(prefix):], r["dtype"], r["shape"]) for p, r in chosen.items()],
-        (store.read_numpy(step_dir, p, r) for p, r in chosen.items()), metadata)
+        out, [(p[len(prefix):], r["dtype"], r["shape"]) for p, r in plain.items()],
+        (tree.plain_numpy(store.read_numpy(step_dir, p, r), r) for p, r in chosen.items()),
+        metadata)
     return {"step": step, "out": str(out), "arrays": len(chosen), "bytes": size}

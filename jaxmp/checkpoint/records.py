@@ -209,6 +209,8 @@ def mismatch(stored: Mapping[str, Mapping[str, Any]], expected: Mapping[str, Map
         return "; ".join(parts)
     for path, rec in expected.items():
         for key in ("shape", "dtype"):
+            if key == "shape" and _replica_resize(stored[path], rec):
+                continue
             if stored[path][key] != rec[key]:  # both JSON-shaped: lists and strings
                 return (f"{path} has {key} {stored[path][key]} in the checkpoint but "
                         f"{rec[key]} in the model")
@@ -239,17 +241,47 @@ def to_plain(x: jax.Array, rows: Sequence[int]) -> jax.Array:
     return jnp.take(flat, jnp.asarray(np.asarray(rows)), axis=0)
 
 
+def plain_numpy(a: np.ndarray, rec: Mapping[str, Any]) -> np.ndarray:
+    """A host array stored as ``rec`` describes it, in the plain layout (:func:`to_plain`)."""
+    rows = rec.get("rows")
+    return a if rows is None else a.reshape((-1,) + a.shape[2:])[np.asarray(rows)]
+
+
 def to_padded(x: jax.Array, rows: Sequence[int], shape: Sequence[int]) -> jax.Array:
     """``[L, ...]`` → the padded stack of ``shape`` (zeros in padding rows)."""
     flat = jnp.zeros((shape[0] * shape[1],) + tuple(shape[2:]), x.dtype)
     return flat.at[jnp.asarray(np.asarray(rows))].set(x).reshape(tuple(shape))
 
 
+# Per-replica state (first logical name "data": error-feedback residuals, one per data replica)
+# saved on one data size and resumed on another.
+REPLICA = "data"
+
+
+def _replica_resize(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    """Whether ``stored`` is per-replica state of another replica count than ``wanted``
+    (same per-replica shape)."""
+    names, shape = stored.get("names") or [None], stored["shape"]
+    return (names[0] == REPLICA and (wanted.get("names") or [None])[0] == REPLICA
+            and shape[1:] == wanted["shape"][1:] and shape[0] != wanted["shape"][0])
+
+
+def resize_replicas(x: jax.Array, replicas: int) -> jax.Array:
+    """``[n, ...]`` per-replica residuals → ``[replicas, ...]`` with the same sum, spread
+    evenly: the reduction sums the replicas' (pre-weighted) residuals, so what it still owes
+    the gradient — their sum — is carried over whole."""
+    total = jnp.sum(x, axis=0, keepdims=True)
+    return jnp.broadcast_to(total / replicas, (replicas,) + x.shape[1:]).astype(x.dtype)
+
+
 def convert(x: jax.Array, stored: Mapping[str, Any], wanted: Mapping[str, Any],
             placement: jax.sharding.Sharding) -> jax.Array:
     """``x`` (restored as ``stored`` describes it) in the layout ``wanted`` describes, placed
-    with ``sharding``: plain ⇄ padded, or padded with one split ⇄ padded with another."""
+    with ``sharding``: plain ⇄ padded, padded with one split ⇄ padded with another, or
+    per-replica state over another data size."""
     def change(a: jax.Array) -> jax.Array:
+        if _replica_resize(stored, wanted):
+            return resize_replicas(a, wanted["shape"][0])
         if stored.get("rows") is not None:
             a = to_plain(a, stored["rows"])
         if wanted.get("rows") is not None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from jaxmp import sharding
 from jaxmp._util.fmt import mesh_str
@@ -224,12 +224,20 @@ def check_sequence_parallel(config: TrainerConfig, cost: ModelCost, layout: Layo
     tensor = layout.sizes["tensor"]
     if config.train.sequence_parallel is not True or tensor == 1:
         return
-    if SEQ not in cost.activation_names:
-        raise ConfigError("train.sequence_parallel=true: the model names no activation's "
-                          f"sequence dim {SEQ!r} (rules.constrain(x, ('batch', 'seq', ...)))")
+    refuse_unnamed_sequence(cost.activation_names)
     if cost.seq_len % tensor:
         raise ConfigError(f"train.sequence_parallel=true: the sequence length {cost.seq_len} "
                           f"does not divide over mesh.tensor={tensor}")
+
+
+def refuse_unnamed_sequence(names: Collection[str]) -> None:
+    """Sequence parallelism acts only through the name ``seq`` in a model's activation
+    constraints: a model whose constraints (``names``, recorded while tracing) never use it
+    would run the plain step while its layout said otherwise."""
+    if SEQ not in names:
+        raise ConfigError("train.sequence_parallel=true: the model names no activation's "
+                          f"sequence dim {SEQ!r} (rules.constrain(x, ('batch', 'seq', ...)); "
+                          "a model with its own names: call its sequence dim 'seq')")
 
 
 def _blocks(cost: ModelCost | None, stack_blocks: int | None) -> int | None:

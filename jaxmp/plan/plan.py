@@ -203,18 +203,24 @@ def devices_needed(cost: ModelCost, n_devices: int, profile: DeviceProfile,
     return None
 
 
-def setting_that_fits(result: SearchResult) -> str | None:
+def setting_that_fits(result: SearchResult, fixed: Mapping[str, int] | None = None) -> str | None:
     """When nothing runnable fits: the plan that fits with the fewest settings changed (then
     the fastest), as ``"set model.remat='full': 16x4x16 (remat full, 8 mb) fits at 52 GiB,
-    13.4 s per step"`` (None: no setting on these devices makes one fit)."""
+    13.4 s per step"`` (None: no setting on these devices makes one fit). ``fixed``: the mesh
+    axes the user set, when ``result`` was searched without them — each one a candidate
+    changes is a setting too."""
+    def changes(c: Candidate) -> list[str]:
+        axes = [f"mesh.{a}={c.mesh.get(a, 1)}" for a, n in (fixed or {}).items()
+                if c.mesh.get(a, 1) != n]
+        return axes + [b.removeprefix("needs ") for b in c.blockers]
+
     fitting = [c for c in result.ranked
                if c.fits and all(b.startswith("needs ") and "=" in b for b in c.blockers)]
     if not fitting:
         return None
-    c = min(fitting, key=lambda c: len(c.blockers))  # fewest settings changed, then fastest
-    settings = " and ".join(b.removeprefix("needs ") for b in c.blockers)
+    c = min(fitting, key=lambda c: len(changes(c)))  # fewest settings changed, then fastest
     p = c.prediction
-    return (f"nothing runnable fits under the fixed settings; set {settings}: "
+    return (f"nothing runnable fits under the fixed settings; set {' and '.join(changes(c))}: "
             f"{mesh_str(c.mesh)} ({describe(c.layout)}) fits at "
             f"{fmt_bytes(p.per_device_bytes)} per device, {fmt_time(p.step_time_s)} per step")
 
@@ -262,6 +268,8 @@ def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
                         f"{dict(fixed or {})}: {why}")
     needed = None
     fix = setting_that_fits(result) if not best.fits else None
+    if fix is None and not best.fits and fixed:  # the user's mesh axes are settings too
+        fix = setting_that_fits(settings.search(ctx), fixed)
     if fix is not None:
         notes.append(fix)
     elif not best.fits and find_devices_needed:

@@ -35,6 +35,7 @@ from jaxmp.pipeline.chunk import PipelineSpec, stack_length, to_stages
 from jaxmp.pipeline.executor import PipelineExecutor
 from jaxmp.plan import Layout, Plan
 from jaxmp.plan.layout import mesh_items
+from jaxmp.plan.make import refuse_unnamed_sequence
 from jaxmp.train import checks, guard, master, peers, wire, zero
 from jaxmp.train.checkpointing import TrainCheckpointer, resume_iterator
 from jaxmp.train.metrics import (MetricsWriter, Profiler, Progress, batch_tokens,
@@ -228,7 +229,11 @@ class Trainer:
                                grad_fn=self.grad_fn, gather=self.gather, reducer=reducer,
                                guard=self.guard, zero=self.sharded_update, master=self.master,
                                sum_in_backward=self.sum_in_backward)
-        return self._compile(step.lower(self.layout.abstract, batch))
+        with sharding.recording_names() as names:  # what the model's constraints name
+            lowered = step.lower(self.layout.abstract, batch)
+        if self.plan.layout.sequence_parallel:  # planned without costs: not checked before
+            refuse_unnamed_sequence(names)
+        return self._compile(lowered)
 
     def _compile(self, lowered: Any) -> Any:
         """Compile for this mesh's devices; on GPUs (attached or deviceless) with jaxmp's GPU
@@ -277,7 +282,6 @@ class Trainer:
                                      init_state, self.layout, self.model_fn, self.tx, t.seed))
         resumed = ckpt.restore() if self.state is None else None  # newest readable checkpoint
         lint = self.lint()
-        self._write_run_files(lint)  # only once a checkpoint that does not fit has been refused
         if resumed is not None:
             self.state = resumed.state
         elif self.state is None:
@@ -286,6 +290,8 @@ class Trainer:
         data_iter = resume_iterator(self.data, resumed)  # continues the stream after a resume
         batch = self._next_global(data_iter)
         step_fn = self.compile(batch)  # the same executable runs the steps and reports its cost
+        # written once a checkpoint that does not fit and a step that cannot be built are refused
+        self._write_run_files(lint)
         warm = wire.warmup_steps(self.plan.layout)  # PowerSGD's uncompressed first steps
         warm_fn = self.compile(batch, warmup=True) if start_step < warm else None
         eval_fn = self._compile(make_eval_step(

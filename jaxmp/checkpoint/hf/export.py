@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from jaxmp._util.io import atomic_write
+from jaxmp.checkpoint import records as records_mod
 from jaxmp.checkpoint import store
 from jaxmp.checkpoint.hf.arch import choose_architecture, hf_config, layouts_for
 from jaxmp.checkpoint.hf.files import INDEX, SINGLE
@@ -91,7 +92,8 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, step: int | None 
     step_dir = ckdir / str(step)
     stored = store.read_meta(step_dir)["arrays"]
     prefix = "params/" if any(p.startswith("params/") for p in stored) else ""
-    records = {p[len(prefix):]: r for p, r in stored.items() if p.startswith(prefix)}
+    padded = {p[len(prefix):]: r for p, r in stored.items() if p.startswith(prefix)}
+    records = {p: records_mod.plain_record(r) for p, r in padded.items()}  # stage stacks: plain
     config = _run_config(step_dir)
     model = config.get("model", {})
     _check_gpt(records, model, step_dir)
@@ -119,7 +121,8 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, step: int | None 
     def arrays() -> Iterator[np.ndarray]:
         dtypes = iter(t[1] for t in tensors)
         for lay in layouts:
-            a = store.read_numpy(step_dir, prefix + lay.path, records[lay.path])
+            a = records_mod.plain_numpy(
+                store.read_numpy(step_dir, prefix + lay.path, padded[lay.path]), padded[lay.path])
             for k in range(len(a)) if lay.stacked else [None]:
                 yield np.ascontiguousarray(lay.to_hf(a if k is None else a[k]),
                                            dtype=next(dtypes))

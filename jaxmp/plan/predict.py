@@ -49,6 +49,16 @@ from jaxmp.plan.master import MasterTerms, accumulator_width, master_terms
 from jaxmp.plan.pipeline import predict_pipeline
 from jaxmp.plan.prediction import STEP_STATE_BYTES, Prediction
 
+# A GPT block's rings (jaxmp.sharding.ring): two column-parallel ones (the qkv and MLP-in
+# projections: forward, and backward the input gradient's ring and the weight gradient's
+# re-gathering one) and two row-parallel ones (attention-out and MLP-out: forward and the
+# transposed backward), each ``t - 1`` sends per microbatch.
+RING_SENDS_PER_BLOCK = 2 * 3 + 2 * 2
+# The fixed cost of one ring step on a GPU (a neighbour send's launch and handshake beside a
+# matmul's launch): NCCL's small-message point-to-point latency is microseconds (nccl-tests
+# sendrecv over NVLink). An estimate, not measured here (no GPU).
+RING_STEP_LATENCY_S = 10e-6
+
 
 def predict(ctx: Context, layout: Layout) -> Prediction:
     """Predict ``layout`` (with ``stage`` > 1: as the pipeline executor runs it)."""
@@ -176,14 +186,18 @@ def tensor_time(ctx: Context, layout: Layout, table: LayerTable,
     (:mod:`jaxmp.sharding.ring`, not inside pipeline stages): each of the ``t - 1`` sends of
     a ring rides beside one sequence block's matmul, so up to ``(t-1)/t`` of the block's
     compute hides them (GPU-compiled: every send has a matmul between start and done;
-    docs/planner.md §7). No per-send latency is charged."""
+    docs/planner.md §7). What the ring cannot hide is its steps' fixed cost: each send (and
+    the smaller matmul beside it) is a launch and a handshake, :data:`RING_STEP_LATENCY_S` on
+    the critical path — so at small widths, with little to hide, the rings cost more than
+    they save and the planner leaves sequence parallelism (and with it the rings) off."""
     t = layout.sizes["tensor"]
     raw = microbatches * (table.time - table.compute_time)
     if not (ctx.rings and layout.sequence_parallel and t > 1 and layout.sizes["stage"] == 1):
         return float(raw.sum()), 0.0
     cover = microbatches * table.compute_time * (t - 1) / t
     hidden = np.where(ctx.blocks, np.minimum(raw, cover), 0.0)
-    return float((raw - hidden).sum()), float(hidden.sum())
+    steps = microbatches * ctx.n_blocks * RING_SENDS_PER_BLOCK * (t - 1)
+    return float((raw - hidden).sum()) + steps * RING_STEP_LATENCY_S, float(hidden.sum())
 
 
 def fixed_memory_time(ctx: Context, table: LayerTable, m: MasterTerms, params: float,

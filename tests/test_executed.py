@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src import compilation_cache  # reset_cache: no public way to skip the cache once
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -81,18 +82,28 @@ def test_stage_strategy_is_predicted_within_bounds():
     assert not why and plan.mesh == {"data": 1, "stage": 2, "fsdp": 1, "tensor": 4}
     trainer = gpt_trainer(config, devices=jax.devices()[:N], with_data=False, plan=plan)
     row = Row("stage", mesh=mesh)
-    measure_row(row, trainer, random_batch(trainer.example_batch), steps=1, warmup=0,
-                limit=float("inf"), model_flops=1.0, peak=1.0)
+    # compiled afresh: the persistent cache's key strips the op_name metadata that names the
+    # ticks' and chunks' conditionals, so an entry from older code can hold other names
+    # (JAX decides once per process whether to use the cache: reset_cache makes it decide again)
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        measure_row(row, trainer, random_batch(trainer.example_batch), steps=1, warmup=0,
+                    limit=float("inf"), model_flops=1.0, peak=1.0)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
     assert row.collectives_from == "executed"
     pred = plan.predicted
     assert abs(pred.per_device_bytes / row.peak_bytes - 1) < 0.10, (pred.per_device_bytes,
                                                                     row.peak_bytes)
     assert abs(pred.comm_bytes_per_step / row.collective_bytes_total - 1) < 0.10, (
         pred.comm_bytes_per_step, row.collective_bytes)
-    # The static count, each conditional at its largest branch (a tick's on the M·V of T ticks
-    # that run one, hlo.branches), is still above: every busy tick charged the largest branch
-    # (the fused last chunk's) on every device.
-    assert row.collective_bytes_static > 1.3 * row.collective_bytes_total
+    # The static count (hlo.branches: a tick's conditionals on the M·V of T ticks that run
+    # one, the first / last chunk's own conditionals on that chunk's ticks of the device that
+    # holds it) is what the busiest device executed; until stop 30 every busy tick was charged
+    # the fused last chunk's branch: 1.3x and more.
+    assert row.collective_bytes_static == pytest.approx(row.collective_bytes_total, rel=0.01)
 
 
 def _toy():

@@ -11,6 +11,11 @@ Shapes: ``P`` stages, ``V`` chunks per device, ``Lmax`` padded block rows per ch
 block parameter is stored ``[P, V·Lmax, ...]`` (:func:`to_stages`); one chunk's parameters are
 ``[Lmax, ...]``, of which the first ``n_blocks`` rows are real — padding rows are skipped with
 ``lax.cond``, never computed.
+
+The conditionals that run only on one chunk (``pre`` on the first, the loss on the last) are
+named :data:`FIRST_CHUNK` / :data:`LAST_CHUNK` (their HLO ``op_name`` holds it): a static
+count of the compiled program charges them on the ticks of that chunk only
+(:func:`jaxmp.hlo.branches.one_branch_bytes`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from jaxmp.pipeline.residuals import BLOCK_INPUT
 from jaxmp.pipeline.stages import StageSplit
 from jaxmp.remat import checkpointed, stash_keeps
 from jaxmp.sharding.tree import ROWS_KEY
+
+FIRST_CHUNK = "first_chunk"  # name scope of the conditionals that run on chunk 0 only
+LAST_CHUNK = "last_chunk"  # ... and on the last chunk only
 
 
 @dataclass(frozen=True)
@@ -173,14 +181,16 @@ class Chunk:
         chunk 0 reads the microbatch through ``pre`` instead). The loss terms are zero except
         on the last chunk, and always zero with ``with_loss=False``."""
         model = self.model(params, rest)
-        x = jax.lax.cond(chunk == 0, lambda: self.spec.pre(model, microbatch).astype(x.dtype),
-                         lambda: x)
+        with jax.named_scope(FIRST_CHUNK):
+            x = jax.lax.cond(chunk == 0,
+                             lambda: self.spec.pre(model, microbatch).astype(x.dtype), lambda: x)
         y = self.blocks(model, params[1], x, n_blocks)
         zero = (jnp.float32(0), jnp.float32(0))
         if not with_loss:
             return y, *zero
-        return y, *jax.lax.cond(chunk == self.last_chunk,
-                                lambda: self.loss(model, y, microbatch), lambda: zero)
+        with jax.named_scope(LAST_CHUNK):
+            return y, *jax.lax.cond(chunk == self.last_chunk,
+                                    lambda: self.loss(model, y, microbatch), lambda: zero)
 
     def activation(self, params: tuple, microbatch: dict, rest: Any) -> jax.ShapeDtypeStruct:
         """Shape and dtype of what ``pre`` hands the first block, per microbatch."""

@@ -39,11 +39,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import gradsum, sharding
-from jaxmp.pipeline.chunk import Chunk, PipelineSpec, join_stack, split_stack
+from jaxmp.pipeline.chunk import LAST_CHUNK, Chunk, PipelineSpec, join_stack, split_stack
 from jaxmp.pipeline.residuals import stash_layout, stash_policy, vjp_without_params
 from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import StageSplit
-from jaxmp.pipeline.ticks import PROGRAM_COLUMNS, STAGE, DeviceTicks, TickInputs, buffer_slot
+from jaxmp.pipeline.ticks import (BACKWARD_TICK, FORWARD_TICK, PROGRAM_COLUMNS, STAGE,
+                                  DeviceTicks, TickInputs, buffer_slot)
 
 
 
@@ -210,7 +211,8 @@ class _TrainingTicks(DeviceTicks):
                                                       for a in self.stash.avals]
 
         x = state.activations[buffer_slot(inputs.forward_input_slot, self.program.act_slots)]
-        y, loss, weight, kept = jax.lax.cond(inputs.forward_microbatch >= 0, run, idle, x)
+        with jax.named_scope(FORWARD_TICK):
+            y, loss, weight, kept = jax.lax.cond(inputs.forward_microbatch >= 0, run, idle, x)
         index = buffer_slot(inputs.forward_stash_slot, self.program.res_slots)
         residuals = [buffer.at[index].set(leaf) for buffer, leaf in zip(state.residuals, kept)]
         return state._replace(residuals=residuals, loss_sum=state.loss_sum + loss,
@@ -225,9 +227,10 @@ class _TrainingTicks(DeviceTicks):
         def run(state: _Training) -> tuple:
             params = self.params(local)
             if self.schedule.folds_last:
-                grads, x_cotangent, loss, weight = jax.lax.cond(
-                    self.global_chunk(local) == self.chunk.last_chunk, self._fused_last_backward,
-                    self._stashed_backward, state, inputs, params)
+                with jax.named_scope(LAST_CHUNK):
+                    grads, x_cotangent, loss, weight = jax.lax.cond(
+                        self.global_chunk(local) == self.chunk.last_chunk,
+                        self._fused_last_backward, self._stashed_backward, state, inputs, params)
             else:
                 grads, x_cotangent, loss, weight = self._stashed_backward(state, inputs, params)
             shared_grads, chunk_grads = grads
@@ -241,8 +244,9 @@ class _TrainingTicks(DeviceTicks):
                     self.like_params(chunk),
                     zero, zero, self.zero_activation)
 
-        shared_grads, chunk_grads, loss, weight, x_cotangent = jax.lax.cond(
-            inputs.backward_microbatch >= 0, run, idle, state)
+        with jax.named_scope(BACKWARD_TICK):
+            shared_grads, chunk_grads, loss, weight, x_cotangent = jax.lax.cond(
+                inputs.backward_microbatch >= 0, run, idle, state)
         return state._replace(
             stack_grads=jax.tree.map(lambda acc, g: acc.at[local].add(g.astype(acc.dtype)),
                                      state.stack_grads, chunk_grads),

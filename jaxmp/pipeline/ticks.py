@@ -14,6 +14,8 @@ from jaxmp import sharding
 from jaxmp.pipeline.chunk import Chunk, leaf_names
 
 STAGE = "stage"
+FORWARD_TICK = "forward_tick"  # name scope of a tick's forward conditional
+BACKWARD_TICK = "backward_tick"  # ... and of its backward one
 
 
 class TickInputs(NamedTuple):

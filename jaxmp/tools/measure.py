@@ -18,8 +18,11 @@ from typing import Any
 import jax
 
 from jaxmp.hlo import CollectiveStats, collective_stats
-from jaxmp.hlo.branches import one_branch_bytes, tick_busy_fraction
+from jaxmp.hlo.branches import TickDevice, one_branch_bytes
 from jaxmp.hlo.executed import executed_bytes, module_name, trace_counts
+from jaxmp.pipeline.chunk import FIRST_CHUNK, LAST_CHUNK
+from jaxmp.pipeline.schedule import Program, Schedule
+from jaxmp.pipeline.ticks import BACKWARD_TICK, FORWARD_TICK
 from jaxmp.train import Trainer
 
 
@@ -58,13 +61,29 @@ def measure_step(trainer: Trainer, batch: Any = None) -> Measured:
     compiled = trainer.compile(batch)
     mem = compiled.memory_analysis()
     stats = collective_stats(compiled)
-    executor, busy = trainer.executor, None
-    if executor is not None:  # the ticks' conditionals: charged on the ticks that run them
-        s = executor.schedule
-        busy = tick_busy_fraction(s.microbatches, s.virtual, executor.program.ticks)
+    executor = trainer.executor
+    devices = tick_devices(executor.program, executor.schedule) if executor is not None else []
     return Measured(argument_bytes=float(mem.argument_size_in_bytes),
                     temp_bytes=float(mem.temp_size_in_bytes), collectives=stats,
-                    one_branch=one_branch_bytes(stats, compiled, busy), compiled=compiled)
+                    one_branch=one_branch_bytes(stats, compiled, devices,
+                                                frozenset({FIRST_CHUNK, LAST_CHUNK})),
+                    compiled=compiled)
+
+
+def tick_devices(program: Program, schedule: Schedule) -> list[TickDevice]:
+    """Each pipeline device's ticks as :func:`one_branch_bytes` charges them: the share of
+    ticks its forward and its backward conditional run (a folded last chunk's forward runs in
+    its backward), and the chunk-only work it holds (chunk ``v·P + device``: the first on
+    device 0, the last on device ``P-1``)."""
+    ticks, p = program.f_mb.shape
+    out = []
+    for d in range(p):
+        held = {FIRST_CHUNK} if d == 0 else set()
+        held |= {LAST_CHUNK} if d == p - 1 else set()
+        busy = {FORWARD_TICK: float((program.f_mb[:, d] >= 0).sum()) / ticks,
+                BACKWARD_TICK: float((program.b_mb[:, d] >= 0).sum()) / ticks}
+        out.append(TickDevice(busy, frozenset(held), schedule.virtual))
+    return out
 
 
 def executed_collectives(measured: Measured, state: Any, batch: Any

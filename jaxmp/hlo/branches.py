@@ -31,6 +31,10 @@ def _hlo_text(obj: Any) -> str:
     return obj if isinstance(obj, str) else obj.as_text()
 
 
+def _size(bytes_by_kind: Counter) -> float:
+    return sum(bytes_by_kind.values())
+
+
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
@@ -109,11 +113,12 @@ def one_branch_bytes(stats: CollectiveStats, compiled_or_text: Any,
                 if ins.opcode == "conditional":
                     part, scope = share(ins, in_tick, known)
                     inner = in_tick or (part is not None and scope is None)
-                    size = lambda k: sum(k.values())  # noqa: E731
-                    most = max((total(c, inner, known | ({(scope, True)} if scope else set()),
-                                      depth + 1) for c in callees), key=size)
-                    least = min((total(c, inner, known | ({(scope, False)} if scope else set()),
-                                       depth + 1) for c in callees), key=size)
+                    def branches(taken: bool) -> list[Counter]:
+                        told = known | {(scope, taken)} if scope else known
+                        return [total(c, inner, told, depth + 1) for c in callees]
+
+                    most = max(branches(True), key=_size)
+                    least = min(branches(False), key=_size)
                     part = 1.0 if part is None else part
                     for kind in set(most) | set(least):
                         out[kind] += part * most[kind] + (1.0 - part) * least[kind]

@@ -59,9 +59,10 @@ class ModelConfig(Section):
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     # under sequence parallelism, the tensor-parallel projections as ring collective matmuls
     # (jaxmp.sharding.ring: each neighbour send beside a block's matmul); "auto": on GPU meshes,
-    # outside pipeline stages (the planner keeps them where they pay: sequence parallelism
-    # with tensor > 1; their memory and bytes are sequence parallelism's, docs/planner.md §7)
-    collective_matmul: bool | Literal["auto"] = "auto"
+    # outside pipeline stages. Off by default: at gpt-1b's width (fsdp 2 x tensor 4 on 8 H100s)
+    # the GPU program's peak with them is 3.6 % above the plan's, a false "fits" at the limit
+    # (61.41 compiled, 59.18 planned of 59.33 GiB; docs/planner.md §6 "Stop 30")
+    collective_matmul: bool | Literal["auto"] = False
 
     def _validate(self) -> None:
         require(self.vocab_size != 1, "model.vocab_size", "must be 0 (from the data) or >= 2",

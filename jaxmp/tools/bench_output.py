@@ -107,8 +107,9 @@ def render(result: Bench) -> str:
                      "The bytes by collective are counted in the compiled HLO; ") +
                 "\"static bound\" counts the HLO with each conditional charged its largest "
                 "branch — the same for programs without conditionals; a pipeline's tick "
-                "conditionals are charged on the M·V of T ticks that run them, not on bubble "
-                "ticks (every device with the busiest device's branches). \"as compiled\" counts every branch and the CPU "
+                "conditionals are charged on the ticks that run them, not on bubble ticks: each "
+                "device its own ticks and its own chunks' embedding or head work, the busiest "
+                "device reported. \"as compiled\" counts every branch and the CPU "
                 "backend's all-reduce + dynamic-slice as it runs; the other columns count that "
                 "as the reduce-scatter GPU and TPU compile it to."]
     warned = [r for r in ran if r.xla_rematerialization]

@@ -295,6 +295,34 @@ def test_layer_loop_weight_gathers_are_pipelined_async(cudnn_step):
     assert overlap.exposed_loop_all_gathers < len(loop), overlap.summary()
 
 
+@needs_plugin
+def test_fsdp_with_microbatches_compiles_with_the_plans_overlap_limit(monkeypatch):
+    """fsdp 8 with 2 accumulating microbatches: the plan adds three collectives in flight
+    (``Layout.xla_flags``), plan.json records it, and the Trainer's GPU compile of the step
+    gets it, so ``jaxmp train`` and ``--aot`` compile the same program. Whether the backward's
+    prefetch is then hidden shows only at scale (no 8-GPU shape exposes it cheaply):
+    docs/planner.md §7 "Stop 31" has the 70B slice's counts and the command."""
+    from jaxmp._util.env import FSDP_ACCUMULATION_GPU_FLAGS
+    from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
+    from jaxmp.topology import gpu_topology
+    from jaxmp.train import loop
+
+    config = _config("auto", "model.layers=2", "train.microbatches=2",
+                     f"train.batch_size={2 * N}")
+    topo = gpu_topology(N, "H100")
+    plan = gpt_plan(config, N, device_kind="H100", platform="cuda")
+    assert plan.layout.accumulation == 2 and plan.layout.sizes["fsdp"] == N
+    assert plan.to_json()["xla_flags"] == plan.layout.xla_flags == FSDP_ACCUMULATION_GPU_FLAGS
+    given = []
+    compile_with_options = loop.compile_with_options
+    monkeypatch.setattr(loop, "compile_with_options",
+                        lambda lowered, options: given.append(options) or
+                        compile_with_options(lowered, options))
+    trainer = gpt_trainer(config, devices=list(topo.devices), with_data=False, plan=plan)
+    trainer.compile()
+    assert [o["xla_gpu_experimental_parallel_collective_overlap_limit"] for o in given] == [3]
+
+
 def test_weights_gathered_as_stored_move_the_compute_dtype():
     """``compression.weights = "param"`` with bf16 compute: XLA's GPU compiler casts each
     matmul weight on its shard before the all-gather anyway, and reduces its gradient in bf16;

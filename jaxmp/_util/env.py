@@ -39,10 +39,9 @@ def add_xla_flags(flags: str) -> None:
 # collectives in flight, not XLA's default one: with tensor parallelism the tensor
 # all-reduces held the one slot, so the next layer's pipelined fsdp gather could start only
 # after the layer's last matmul (Llama-3-70B's shape, fsdp 16 x tensor 4, 4 layers: 2 of 4
-# loop all-gathers exposed → 0; docs/planner.md §7 "Stop 28"). Three would also free the
-# backward's prefetch from the gradient reduce-scatters once microbatches accumulate (there
-# 4 of 8 layer-loop gathers exposed → 0), but hold one more sequence-parallel gather's buffer
-# the planner does not charge (§7 "Stop 29"): not set.
+# loop all-gathers exposed → 0; docs/planner.md §7 "Stop 28"). Three only where a plan asks
+# (:data:`FSDP_ACCUMULATION_GPU_FLAGS`): globally they hold one more sequence-parallel
+# gather's buffer the planner does not charge (§7 "Stop 29").
 # Collective pipelining is spelt two ways: jaxlib 0.10's booleans and jaxlib 0.12's
 # ``CollectivePipeliningMode`` enums (whose default, tied to the optimisation effort, left
 # every layer-loop gather synchronous); each XLA drops the spelling it lacks, quietly.
@@ -60,22 +59,30 @@ GPU_XLA_FLAGS = " ".join([
     "--xla_gpu_enable_all_gather_combine_by_dim=false",
     "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
     "--xla_gpu_experimental_parallel_collective_overlap_limit=2"])
+# What a plan with fsdp > 1 and accumulating microbatches adds (``Layout.xla_flags``): three
+# collectives in flight. There the backward layer loop ends with two gradient reduce-scatters
+# (bf16 weights, float32 norm scales) that hold both slots, so the prefetch of the next
+# layer's fsdp gather started after the last matmul: Llama-3-70B's shape, fsdp 16 x tensor 4,
+# 2 microbatches, 4 layers: 4 of 8 layer-loop gathers exposed → 0 (§7 "Stop 29", "Stop 31").
+FSDP_ACCUMULATION_GPU_FLAGS = "--xla_gpu_experimental_parallel_collective_overlap_limit=3"
 # Flags of GPU_XLA_FLAGS that only some jaxlib versions know: dropped without a word.
 VERSIONED_GPU_FLAGS = frozenset(_OLD_PIPELINING + _NEW_PIPELINING)
 GPU_FLAG_PREFIX = "--xla_gpu_"
 
 
-def gpu_compile_options(config_flags: str = "") -> dict[str, bool | int | float | str]:
+def gpu_compile_options(config_flags: str = "", plan_flags: str = ""
+                        ) -> dict[str, bool | int | float | str]:
     """The GPU flags of one compile as ``compile(compiler_options=...)`` takes them:
-    :data:`GPU_XLA_FLAGS`, then the config's ``[xla].flags``, then ``XLA_FLAGS`` (the last
-    value of a flag wins; only ``--xla_gpu_*`` flags, the others are not per-compile options).
+    :data:`GPU_XLA_FLAGS`, then the plan's (``Layout.xla_flags``), then the config's
+    ``[xla].flags``, then ``XLA_FLAGS`` (the last value of a flag wins; only ``--xla_gpu_*``
+    flags, the others are not per-compile options).
 
     Per compile rather than through ``XLA_FLAGS`` because XLA's GPU compiler reads that once
     per process: a deviceless compile in a process that already compiled (tests, ``bench``)
     would keep the first flags it saw.
     """
     out: dict[str, bool | int | float | str] = {}
-    for source in (GPU_XLA_FLAGS, config_flags, os.environ.get("XLA_FLAGS", "")):
+    for source in (GPU_XLA_FLAGS, plan_flags, config_flags, os.environ.get("XLA_FLAGS", "")):
         for flag in source.split():
             if not flag.startswith(GPU_FLAG_PREFIX):
                 continue

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxmp._util.env import FSDP_ACCUMULATION_GPU_FLAGS
 from jaxmp.compression.reduce import Compression, reduced_after_microbatches
 from jaxmp.mesh import AXES
 from jaxmp.pipeline.stages import StageSplit
@@ -77,6 +78,15 @@ class Layout:
     def accumulation(self) -> int:
         """Microbatches the plain step accumulates (1 with stages: the pipeline takes them)."""
         return self.microbatches if self.stages == 1 else 1
+
+    @property
+    def xla_flags(self) -> str:
+        """XLA flags this layout's GPU compile adds to jaxmp's (the config's and ``XLA_FLAGS``
+        win): :data:`~jaxmp._util.env.FSDP_ACCUMULATION_GPU_FLAGS` where fsdp gathers weights
+        and microbatches accumulate, so the backward's prefetch is not queued behind the
+        gradient reduce-scatters; nothing elsewhere (no extra in-flight buffer there)."""
+        return FSDP_ACCUMULATION_GPU_FLAGS if self.sizes.get("fsdp", 1) > 1 and \
+            self.accumulation > 1 else ""
 
     def to_json(self) -> dict[str, Any]:
         """Every field as plain JSON values (``plan.json``'s ``layout``)."""

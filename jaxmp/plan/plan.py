@@ -103,7 +103,7 @@ class Plan:
         out = {"layout": lay.to_json(), "mesh": dict(self.mesh),
                "stages": [list(s) for s in self.stages], "remat": lay.remat,
                "microbatches": lay.microbatches, "schedule": lay.schedule,
-               "virtual_stages": lay.virtual_stages,
+               "virtual_stages": lay.virtual_stages, "xla_flags": lay.xla_flags,
                "status": "runnable" if self.runnable else
                "not runnable: " + "; ".join(self.blockers),
                "fits": self.fits,

@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jaxmp._util.env import gpu_compile_options
 from jaxmp.hlo import collective_overlap
 from jaxmp.plan import Plan
 from jaxmp.tools.measure import measure_step
@@ -110,6 +109,5 @@ def aot_verify(make_trainer: Callable[[list], Trainer], plan: Plan, topology: Gp
         "memory_limit_bytes": limit, "fits": fits, "predicted_fits": plan.fits,
         "fits_agree": plan.fits == fits, "xla_rematerialization": short,
         "xla_warnings": [line for line in said if _REMAT.search(line)],
-        "collectives": overlap.to_json(), "xla_flags": gpu_compile_options(
-            trainer.config.xla.flags)})
+        "collectives": overlap.to_json(), "xla_flags": trainer.compile_options()})
     return {**out, **write_hlo(m, folder)}

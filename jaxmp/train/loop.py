@@ -237,11 +237,16 @@ class Trainer:
 
     def _compile(self, lowered: Any) -> Any:
         """Compile for this mesh's devices; on GPUs (attached or deviceless) with jaxmp's GPU
-        flags and the config's (:func:`jaxmp._util.env.gpu_compile_options`), so ``jaxmp
-        train`` and a deviceless compile of the same step get the same program."""
+        flags, the plan's and the config's (:meth:`compile_options`), so ``jaxmp train`` and
+        a deviceless compile of the same step get the same program."""
         if self.mesh.devices.flat[0].platform not in GPU_PLATFORMS:
             return lowered.compile()
-        return compile_with_options(lowered, gpu_compile_options(self.config.xla.flags))
+        return compile_with_options(lowered, self.compile_options())
+
+    def compile_options(self) -> dict[str, Any]:
+        """The GPU compile options of this Trainer's step
+        (:func:`jaxmp._util.env.gpu_compile_options` with the plan's ``Layout.xla_flags``)."""
+        return gpu_compile_options(self.config.xla.flags, self.plan.layout.xla_flags)
 
     # -- set-up -------------------------------------------------------------------------------
     def lint(self) -> sharding.LintReport:

@@ -134,6 +134,7 @@ def test_plan_json_shape(small_plan):
         out["mesh"]["tensor"] == 8
     assert out["mesh"]["stage"] == 1 and out["status"] == "runnable" and out["fits"]
     assert out["stages"] == [[0, len(out["layers"])]]
+    assert out["xla_flags"] == small_plan.layout.xla_flags  # what its GPU compile adds
     for key in ("per_device_bytes", "step_time_s", "flops_per_step", "comm_bytes_per_step"):
         assert out["predicted"][key] >= 0
     assert out["planning_time_s"] > 0 and out["alternatives"]

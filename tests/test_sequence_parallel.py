@@ -370,9 +370,11 @@ def test_gpu_compiler_peak_as_predicted_with_and_without():
     parallelism off and on; on, the block's all-reduces are reduce-scatters + all-gathers and
     the peak falls (11 %: 2.15 -> 1.91 GB; 24 % while the norms kept float32 copies of the
     residual stream, which sequence parallelism splits); the collective bytes within ±5 % of
-    the prediction both ways. Predicted, stop 29: off +8.6 %, on -4.0 % (-9.8 % before the
-    backward's matmul operands were counted whole and the head's weight gradient stopped
-    waiting for the layers' backward)."""
+    the prediction both ways. Predicted, stop 31: off +2.0 %, on -9.3 % (jax 0.12: +0.5 %,
+    -4.1 %; stop 29: +8.6 % and -4.0 %, while a whole reduced copy of the gradients was
+    charged beside the backward, where the GPU program all-reduces them layer by layer:
+    plan/predict.update_terms; on, what the rings hold is not charged, docs/planner.md §7
+    "Stop 31")."""
     topo = gpu_topology(8, "H100")
     sets = ["model.layers=4", "model.d_model=2048", "model.heads=16", "model.vocab_size=1024",
             "model.compute_dtype=bfloat16", "data.seq_len=2048", "data.source=synthetic",

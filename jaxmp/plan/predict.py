@@ -81,7 +81,8 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     # backward (jaxmp.gradsum): no stack-sized gradient buffer beside it
     phase = backward_phases(table, ctx.in_loop, ctx.tied, summed=microbatches > 1)
     k = int(np.argmax(phase.total))
-    accumulator, update = update_terms(ctx, m, params, layout, zero)
+    accumulator, update = update_terms(ctx, m, params, layout, zero,
+                                       float(table.grads.max(initial=0.0)))
     cast = float(table.cast.sum()) + m.copy
     during = cast + accumulator + float(phase.total[k])
     name = cost.layers[k].group or cost.layers[k].name
@@ -142,8 +143,8 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
         activation_parts={f"saved, live in {name}'s backward": acts})
 
 
-def update_terms(ctx: Context, m: MasterTerms, params: float, layout: Layout, zero: int
-                 ) -> tuple[float, float]:
+def update_terms(ctx: Context, m: MasterTerms, params: float, layout: Layout, zero: int,
+                 layer_grads: float = float("inf")) -> tuple[float, float]:
     """``(accumulator, update)``: what the gradient reduction and the optimizer hold per device
     — beside every backward pass, and after the last one.
 
@@ -154,11 +155,17 @@ def update_terms(ctx: Context, m: MasterTerms, params: float, layout: Layout, ze
     whole, the reduce-scatter's data slice with the optimizer state sharded over data (once
     after the microbatches: that copy is made after the backward). It reduces one backward's
     gradients in the params' width (16-bit with a master: the GPU
-    compiler's wire; XLA:CPU widens 16-bit collectives to float32) or the float32 sum.
+    compiler's wire; XLA:CPU widens 16-bit collectives to float32) or the float32 sum. One
+    backward's all-reduce over data (the optimizer replicated) runs layer by layer where the
+    backend updates in place: each layer's reduced copy replaces its gradients (a stack's
+    gradient buffer is written with the reduced values), so beside them the reduction holds
+    two layers' in flight (the double-buffered layer loop runs two layers' all-reduces per
+    iteration) — ``layer_grads``: the largest layer's gradients as the backward holds them
+    (GPU-compiled, docs/planner.md §7 "Stop 31").
 
     After the backward, where the backend updates the donated state in place
-    (``DeviceProfile.updates_in_place``, the GPU compiler): the gradients and their reduced
-    copy; then, with the state sharded over data and no master, the updated slice and the
+    (``DeviceProfile.updates_in_place``, the GPU compiler): the gradients and the reduction's
+    buffers (its slice, its whole after microbatches, or the last layers' in flight); then, with the state sharded over data and no master, the updated slice and the
     params all-gathered from it (a master's 16-bit copy is cast and gathered in the next
     step's forward, charged there). XLA:CPU computes the new state beside the old: the
     float32 gradients and the update (its data slice) beside the reduction's buffers, and a
@@ -168,6 +175,9 @@ def update_terms(ctx: Context, m: MasterTerms, params: float, layout: Layout, ze
     grads = summed or params
     wire = m.wide if m.copy and not summed and ctx.profile.upcasts_16bit else 1.0
     reduced = grads * wire / zero if data > 1 else 0.0
+    if ctx.profile.updates_in_place and not summed and zero == 1 \
+            and not layout.reduce_after_microbatches:
+        reduced = min(reduced, 2 * layer_grads * wire)
     accumulator = summed + (0.0 if layout.reduce_after_microbatches else reduced)
     if ctx.profile.updates_in_place:
         gathered = params * (1 + 1 / zero) if zero > 1 and not m.copy else 0.0

@@ -69,6 +69,10 @@ class DeviceProfile:
     # (docs/planner.md §2, "Memory traffic"). 0: not charged (the CPU's time is all in
     # ``efficiency``, measured end to end).
     memory_bw: float = 0.0
+    # XLA attention's backward holds its score-sized values (scores, probabilities and their
+    # gradients) live together: the GPU's softmax-backward fusion reads the raw scores
+    # (jaxmp.cost.liveness.Timeline.held_together). XLA:CPU frees them as the jaxpr does.
+    holds_scores: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -104,11 +108,12 @@ PROFILES: dict[str, DeviceProfile] = {
     "CPU": DeviceProfile("CPU", 5e10, 16 * GiB, 1e10, 1e9, devices_per_host=0,
                          usable_fraction=0.8, efficiency=0.5, overlap=False, shared_host=True,
                          upcasts_16bit=True, reassociates_all_reduce=False,
-                         sequence_parallel_in_stages=True, updates_in_place=False),
+                         sequence_parallel_in_stages=True, updates_in_place=False,
+                         holds_scores=False),
 }
 OVERRIDABLE = tuple(f.name for f in dataclasses.fields(DeviceProfile)
                     if f.name not in ("kind", "shared_host", "upcasts_16bit", "overlap",
-                                      "updates_in_place"))
+                                      "updates_in_place", "holds_scores"))
 
 
 def match_kind(device_kind: str) -> str | None:

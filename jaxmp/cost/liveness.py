@@ -145,6 +145,26 @@ class Timeline:
                 per_row[k] = size / self.rows
         return const, per_row
 
+    def held_together(self, seq: int) -> Timeline:
+        """This timeline with the backward's score-sized matmul operands and results
+        (``[..., seq, seq]``: XLA attention's scores, probabilities and their gradients) each
+        live until the last of them is read. XLA's GPU fusion of the softmax backward recomputes the probabilities
+        from the raw scores, so the recomputed scores, the probabilities, their gradient and
+        the scores' gradient are live at once (docs/planner.md §7, "Stop 31")."""
+        kinds = self.matmul or (0,) * len(self.shapes)
+        scores = [k for k, (shape, kind) in enumerate(zip(self.shapes, kinds))
+                  if kind == MATMUL and len(shape) >= 2 and shape[-2:] == (seq, seq)
+                  and self.stops[k] >= self.backward_start]
+        if not seq or len(scores) < 2:
+            return self
+        last = max(self.stops[k] for k in scores)
+        stops = list(self.stops)
+        for k in scores:
+            stops[k] = last
+        return Timeline(self.starts, tuple(stops), self.shapes, self.itemsizes,
+                        self.batch_dims, self.rows, self.backward_start, self.steps,
+                        self.matmul)
+
     def peak_of(self, sizes: tuple[np.ndarray, np.ndarray], rows: float) -> float:
         if self.backward_start >= self.steps or not self.shapes:
             return 0.0

@@ -194,11 +194,12 @@ class Context:
         # With the sequence split, a matmul's activation operands and results stay whole
         # (gathered inputs, partial sums before the reduce-scatter; jaxmp.cost.liveness).
         whole = self._divisor(i, fsdp, tensor, False) if sp else None
+        timeline = self.cached(("timeline", i, remat), lambda: lay.transient[remat].held_together(
+            self.cost.seq_len) if self.profile.holds_scores else lay.transient[remat])
         sizes = self.cached(("transient", i, remat, fsdp, tensor, sp),
-                            lambda: lay.transient[remat].sizes(
-                                div, self.profile.upcasts_16bit, whole,
-                                self.profile.reassociates_all_reduce))
-        return lay.transient[remat].peak_of(sizes, rows)
+                            lambda: timeline.sizes(div, self.profile.upcasts_16bit, whole,
+                                                   self.profile.reassociates_all_reduce))
+        return timeline.peak_of(sizes, rows)
 
     def link_bw(self, sizes: dict[str, int]) -> dict[str, float]:
         """Bandwidth each axis's collectives run at: inside a host, or across hosts."""

@@ -157,6 +157,21 @@ def _param_specs(cost: ModelCost, mesh: Mapping[str, int], rules: Sequence) -> d
     return out
 
 
+def fallback_note(cost: ModelCost, mesh: Mapping[str, int], rules: Sequence) -> str | None:
+    """One line naming the weights a mesh axis skips because it does not divide their dim
+    (e.g. heads 3 on tensor 2: attention replicated over tensor); the prediction counts
+    them as the rules place them, replicated."""
+    sizes = {**mesh, "stage": 1}
+    found = {(f.logical, f.dim_size, f.mesh_axis, f.axis_size): f.path
+             for lay in cost.layers for leaf in lay.params if leaf.names is not None
+             for f in sharding.resolve(leaf.names, leaf.shape, sizes, rules, leaf.path).fallbacks}
+    if not found:
+        return None
+    return "replicated where the axis does not divide: " + "; ".join(
+        f"{logical} {n} on {axis} {size} ({path}, ...)"
+        for (logical, n, axis, size), path in found.items()) + " (the prediction counts them replicated)"
+
+
 @dataclass(frozen=True)
 class SearchSettings:
     """Everything a search needs besides the model, the devices and their profile."""
@@ -289,5 +304,6 @@ def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
                 layers=[lay.to_dict() for lay in cost.layers], alternatives=alternatives,
                 dropped=dict(result.dropped), device=profile, memory_limit=ctx.memory_limit,
                 planning_time_s=time.perf_counter() - start,
-                notes=notes + list(cost.warnings), blockers=list(best.blockers),
+                notes=notes + [n for n in (fallback_note(cost, best.mesh, rules),) if n]
+                + list(cost.warnings), blockers=list(best.blockers),
                 devices_needed=needed, candidates=result.ranked)

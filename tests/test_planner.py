@@ -195,7 +195,15 @@ def test_axes_spanning_hosts_use_the_slow_link():
     data_slow = plan(cost, 8, slow, fixed={"data": 8}).predicted
     data_fast = plan(cost, 8, fast, fixed={"data": 8}).predicted
     assert data_slow.comm_bytes_per_step == data_fast.comm_bytes_per_step
-    assert data_slow.comm_s["data"] == pytest.approx(data_fast.comm_s["data"] * 1e5)
+    # data 8 over 4 hosts of 2: 2 members per host, 2 rings through 2 NICs per host
+    assert data_slow.comm_s["data"] == pytest.approx(data_fast.comm_s["data"] * 1e5 / 2)
+    # a group with g members per host spreads its cross-host traffic over g NICs
+    rail = Context(cost, DeviceProfile("z", 1e12, 1e12, 4e11, 5e10, devices_per_host=8,
+                                       overlap=False), 64)
+    bw = rail.link_bw({"data": 1, "stage": 1, "fsdp": 64, "tensor": 1})
+    assert bw["fsdp"] == 4e11  # min(intra, 8 x 50e9)
+    bw = rail.link_bw({"data": 4, "stage": 2, "fsdp": 2, "tensor": 4})
+    assert bw["fsdp"] == 4e11 and bw["stage"] == 5e10 and bw["data"] == 5e10  # 1 per host
 
 
 def test_the_trainers_auto_mesh_is_runnable_and_respects_the_config():

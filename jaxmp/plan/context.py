@@ -202,13 +202,16 @@ class Context:
         return timeline.peak_of(sizes, rows)
 
     def link_bw(self, sizes: dict[str, int]) -> dict[str, float]:
-        """Bandwidth each axis's collectives run at: inside a host, or across hosts."""
+        """Bandwidth each axis's collectives run at. Across hosts, a group with ``g``
+        members per host runs as ``g`` rings, each through another GPU's NIC (DGX / HGX):
+        ``min(intra, g * inter)`` (nccl-tests across 8 x H100 NDR hosts: 400-450 GB/s bus
+        bandwidth, saturncloud.io/blog/crusoe-nccl-cluster-validation). Stage: one NIC."""
         per_host = self.profile.devices_per_host or self.n
-        out, inner = {}, 1
+        intra, inter, out, inner = self.profile.intra_host_bw, self.profile.inter_host_bw, {}, 1
         for axis in reversed(AXES):  # tensor innermost ... data outermost
-            inner *= sizes[axis]
-            out[axis] = self.profile.intra_host_bw if inner <= per_host \
-                else self.profile.inter_host_bw
+            below, inner = inner, inner * sizes[axis]
+            g = 1 if axis == "stage" or per_host % below else min(sizes[axis], per_host // below)
+            out[axis] = intra if inner <= per_host else min(intra, g * inter)
         return out
 
     def table(self, remat: str, data: int, fsdp: int, tensor: int,

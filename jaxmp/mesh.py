@@ -13,7 +13,8 @@ make every op in model code declare its output sharding, i.e. put mesh knowledge
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -90,3 +91,29 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
     """The mesh's axis sizes as a plain dict (for plans, checkpoints and logs)."""
     return {str(k): int(v) for k, v in mesh.shape.items()}
+
+
+def current_mesh(mesh: Mesh) -> Any:
+    """``mesh`` as seen by code traced now: inside ``jax.shard_map``, the context's abstract
+    mesh, which knows the manual axes (the pipeline's ``stage``, a data replica's ``data``) —
+    constraints or a nested shard_map on the concrete mesh would clash with it there."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes and context.axis_names == mesh.axis_names:
+        return context
+    return mesh
+
+
+def manual_axes(mesh: Any) -> frozenset[str]:
+    """The axes an enclosing ``shard_map`` has made manual where code is traced now (none
+    outside one)."""
+    return frozenset(current_mesh(mesh).manual_axes)
+
+
+def shard_map_over(fn: Callable[..., Any], mesh: Mesh, axes: Collection[str], in_specs: Any,
+                   out_specs: Any) -> Callable[..., Any]:
+    """``fn`` on local arrays, manual over ``axes`` only (the rest stay automatic: XLA
+    partitions them), on the mesh traced now (nested in an enclosing ``shard_map``). The
+    ring's and the stages' bodies mix values that vary over the manual axes with ones that do
+    not, so jax's varying-axes check is off."""
+    return jax.shard_map(fn, mesh=current_mesh(mesh), in_specs=in_specs, out_specs=out_specs,
+                         axis_names=set(axes), check_vma=False)

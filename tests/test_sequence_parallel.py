@@ -373,7 +373,7 @@ def test_gpu_compiler_peak_as_predicted_with_and_without():
     the prediction both ways. Predicted, stop 31: off +2.0 %, on -9.3 % (jax 0.12: +0.5 %,
     -4.1 %; stop 29: +8.6 % and -4.0 %, while a whole reduced copy of the gradients was
     charged beside the backward, where the GPU program all-reduces them layer by layer:
-    plan/predict.update_terms; on, what the rings hold is not charged, docs/planner.md §7
+    plan/update.update_terms; on, what the rings hold is not charged, docs/planner.md §7
     "Stop 31")."""
     topo = gpu_topology(8, "H100")
     sets = ["model.layers=4", "model.d_model=2048", "model.heads=16", "model.vocab_size=1024",

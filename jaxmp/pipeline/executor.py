@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import gradsum, sharding
+from jaxmp.mesh import shard_map_over
 from jaxmp.pipeline.chunk import LAST_CHUNK, Chunk, PipelineSpec, join_stack, split_stack
 from jaxmp.pipeline.residuals import stash_layout, stash_policy, vjp_without_params
 from jaxmp.pipeline.schedule import Schedule
@@ -113,9 +114,8 @@ class PipelineExecutor:
         """``on_device(stack [1, V·Lmax, ...], shared, rest, microbatches [M, R, ...])`` on every
         stage. The mesh is the one traced now: inside a data replica's ``shard_map`` (gradient
         compression) the stage ``shard_map`` nests in it."""
-        run = jax.shard_map(on_device, mesh=sharding.current_mesh(self.mesh),
-                            in_specs=(P(STAGE), P(), P(), P()), out_specs=out_specs,
-                            axis_names={STAGE}, check_vma=False)
+        run = shard_map_over(on_device, self.mesh, {STAGE}, (P(STAGE), P(), P(), P()),
+                             out_specs)
         stack, shared = split_stack(params, self.spec.stack)
         m = self.schedule.microbatches
         microbatches = jax.tree.map(lambda x: split_microbatches(x, m, self.mesh, rules), batch)

@@ -35,8 +35,9 @@ from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import StageSplit
 from jaxmp.plan.context import Context, zero_divisor
 from jaxmp.plan.layout import Layout
-from jaxmp.plan.master import accumulator_width, master_terms
+from jaxmp.plan.master import master_terms
 from jaxmp.plan.prediction import STEP_STATE_BYTES, Prediction
+from jaxmp.plan.update import update_terms
 
 
 @dataclass(frozen=True)
@@ -193,13 +194,12 @@ def predict_pipeline(ctx: Context, layout: Layout) -> Prediction:
     m = master_terms(ctx.master_factor, layout, params, virtual * lmax * blk["param_local"]
                      * ctx.opt_ratio[ctx.span[0]] + k.shared_opt, zero_divisor(layout))
     opt = m.optimizer
-    # In the tick loop: the float32 (at least) gradient accumulators and a param-sized array
-    # (the 16-bit params a master is cast to; without one, the update's). After it (the loop's
-    # buffers freed) with a master: the float32 grads, the update on the master's slices and
-    # the 16-bit params.
-    in_loop = params * ctx.cached(("accumulator_width",), lambda: accumulator_width(ctx.cost)) \
-        + (m.copy or params)
-    after = params * m.wide * (1 + 1 / zero_divisor(layout)) + m.copy if m.copy else in_loop
+    # In the tick loop: the chunks' float32 gradient sum (jaxmp.plan.update; the data reduction
+    # comes after the schedule) and a param-sized array (the 16-bit params a master is cast
+    # to; without one, the update's). After it, the loop's buffers freed: the update's
+    # temporaries, as the plain step's.
+    accumulator, after = update_terms(ctx, m, params, layout, zero_divisor(layout), True)
+    in_loop = accumulator + (m.copy or params)
 
     # Buffers, as wide as the busiest device needs (plus the spare slot idle ticks write).
     slots = buffer_slots(schedule)

@@ -45,9 +45,10 @@ import numpy as np
 from jaxmp.mesh import AXES
 from jaxmp.plan.context import Context, LayerTable, zero_divisor
 from jaxmp.plan.layout import Layout
-from jaxmp.plan.master import MasterTerms, accumulator_width, master_terms
+from jaxmp.plan.master import MasterTerms, master_terms
 from jaxmp.plan.pipeline import predict_pipeline
 from jaxmp.plan.prediction import STEP_STATE_BYTES, Prediction
+from jaxmp.plan.update import update_terms
 
 # A GPT block's rings (jaxmp.sharding.ring): two column-parallel ones (the qkv and MLP-in
 # projections: forward, and backward the input gradient's ring and the weight gradient's
@@ -81,7 +82,7 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     # backward (jaxmp.gradsum): no stack-sized gradient buffer beside it
     phase = backward_phases(table, ctx.in_loop, ctx.tied, summed=microbatches > 1)
     k = int(np.argmax(phase.total))
-    accumulator, update = update_terms(ctx, m, params, layout, zero,
+    accumulator, update = update_terms(ctx, m, params, layout, zero, microbatches > 1,
                                        float(table.grads.max(initial=0.0)))
     cast = float(table.cast.sum()) + m.copy
     during = cast + accumulator + float(phase.total[k])
@@ -141,52 +142,6 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
         comm_hidden_s={**{k: hidden * share[k] for k in raw}, "tensor": comm_hidden_tensor},
         working_parts=working_parts,
         activation_parts={f"saved, live in {name}'s backward": acts})
-
-
-def update_terms(ctx: Context, m: MasterTerms, params: float, layout: Layout, zero: int,
-                 layer_grads: float = float("inf")) -> tuple[float, float]:
-    """``(accumulator, update)``: what the gradient reduction and the optimizer hold per device
-    — beside every backward pass, and after the last one.
-
-    Beside the backward: accumulating microbatches, their float32 running sum
-    (:mod:`jaxmp.gradsum`: float32 with or without a master,
-    :func:`~jaxmp.plan.master.accumulator_width`); and XLA's data-axis reduction of the
-    gradients (no reducer) writes a reduced copy beside the device's own: the all-reduce's
-    whole, the reduce-scatter's data slice with the optimizer state sharded over data (once
-    after the microbatches: that copy is made after the backward). It reduces one backward's
-    gradients in the params' width (16-bit with a master: the GPU
-    compiler's wire; XLA:CPU widens 16-bit collectives to float32) or the float32 sum. One
-    backward's all-reduce over data (the optimizer replicated) runs layer by layer where the
-    backend updates in place: each layer's reduced copy replaces its gradients (a stack's
-    gradient buffer is written with the reduced values), so beside them the reduction holds
-    two layers' in flight (the double-buffered layer loop runs two layers' all-reduces per
-    iteration) — ``layer_grads``: the largest layer's gradients as the backward holds them
-    (GPU-compiled, docs/planner.md §7 "Stop 31").
-
-    After the backward, where the backend updates the donated state in place
-    (``DeviceProfile.updates_in_place``, the GPU compiler): the gradients and the reduction's
-    buffers (its slice, its whole after microbatches, or the last layers' in flight); then, with the state sharded over data and no master, the updated slice and the
-    params all-gathered from it (a master's 16-bit copy is cast and gathered in the next
-    step's forward, charged there). XLA:CPU computes the new state beside the old: the
-    float32 gradients and the update (its data slice) beside the reduction's buffers, and a
-    master's 16-bit params."""
-    data, microbatches = layout.sizes["data"], layout.microbatches
-    summed = params * accumulator_width(ctx.cost) if microbatches > 1 else 0.0
-    grads = summed or params
-    wire = m.wide if m.copy and not summed and ctx.profile.upcasts_16bit else 1.0
-    reduced = grads * wire / zero if data > 1 else 0.0
-    if ctx.profile.updates_in_place and not summed and zero == 1 \
-            and not layout.reduce_after_microbatches:
-        reduced = min(reduced, 2 * layer_grads * wire)
-    accumulator = summed + (0.0 if layout.reduce_after_microbatches else reduced)
-    if ctx.profile.updates_in_place:
-        gathered = params * (1 + 1 / zero) if zero > 1 and not m.copy else 0.0
-        return accumulator, max(grads + reduced, reduced + gathered)
-    if m.copy:  # the 16-bit gradients (or the float32 sum), the float32 update on the
-        # master's slice, and the 16-bit params
-        return accumulator, (0.0 if summed else params) + accumulator \
-            + 2 * params * m.wide / zero + m.copy
-    return accumulator, (params + params / zero) * m.wide + accumulator
 
 
 def tensor_time(ctx: Context, layout: Layout, table: LayerTable,

@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxmp.mesh import current_mesh, manual_axes, shard_map_over
 from jaxmp.sharding.resolve import (DEFAULT_RULES, Rule, logical_spec, normalize_rules,
                                     resolve)
 
@@ -53,16 +54,6 @@ def recording_names() -> Iterator[set[str]]:
         yield seen
     finally:
         _SEEN.reset(token)
-
-
-def current_mesh(mesh: Mesh) -> Any:
-    """``mesh`` as seen by code traced now: inside ``jax.shard_map``, the context's abstract
-    mesh, which knows the manual axes (the pipeline's ``stage``, a data replica's ``data``) —
-    constraints or a nested shard_map on the concrete mesh would clash with it there."""
-    context = jax.sharding.get_abstract_mesh()
-    if not context.empty and context.manual_axes and context.axis_names == mesh.axis_names:
-        return context
-    return mesh
 
 
 def named(mesh: Mesh, spec: Any) -> NamedSharding:
@@ -135,8 +126,7 @@ def local(fn: Callable[..., Any], args: Sequence[Any], in_names: Sequence[Sequen
     if active is None:
         return fn(*args)
     mesh, rules = active
-    context = current_mesh(mesh)
-    manual = set(getattr(context, "manual_axes", ()))
+    manual = manual_axes(mesh)
     sizes = {a: (1 if a in manual else int(n)) for a, n in dict(mesh.shape).items()}
     # every axis not yet manual, size 1 too: jax lowers a custom-partitioning op as a plain
     # call only where all of the mesh's axes are manual (jax/_src/custom_partitioning.py)
@@ -149,6 +139,4 @@ def local(fn: Callable[..., Any], args: Sequence[Any], in_names: Sequence[Sequen
 
     in_specs = tuple(spec(n, np.shape(a)) for n, a in zip(in_names, args, strict=True))
     out_shape = jax.eval_shape(fn, *args).shape
-    run = jax.shard_map(fn, mesh=context, in_specs=in_specs,
-                        out_specs=spec(out_names, out_shape), axis_names=auto, check_vma=False)
-    return run(*args)
+    return shard_map_over(fn, mesh, auto, in_specs, spec(out_names, out_shape))(*args)

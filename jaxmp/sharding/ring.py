@@ -35,7 +35,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxmp.sharding.activations import active, current_mesh
+from jaxmp.mesh import manual_axes, shard_map_over
+from jaxmp.sharding.activations import active
 from jaxmp.sharding.resolve import resolve
 
 AXIS = "tensor"
@@ -65,16 +66,15 @@ def _tensor_spec(names: Names, shape: Sequence[int], sizes: dict[str, int], rule
 
 def _ring(setting: bool | str, x: Any, weights: Sequence[Any], x_names: Names,
           weight_names: Sequence[Names], out_names: Sequence[Names], out_shapes: Sequence[Any],
-          column: bool) -> tuple[Any, Any, tuple[P, ...], tuple[P, ...]] | None:
-    """(context mesh, tensor size, in specs, out specs) where the ring applies, else None."""
+          column: bool) -> tuple[Any, int, tuple[P, ...], tuple[P, ...]] | None:
+    """(mesh, tensor size, in specs, out specs) where the ring applies, else None."""
     found = active()
     if found is None:
         return None
     mesh, rules = found
     if not _enabled(setting, mesh):
         return None
-    context = current_mesh(mesh)
-    if STAGE in set(getattr(context, "manual_axes", ())):
+    if STAGE in manual_axes(mesh):
         # inside the pipeline's stage shard_map a ppermute over tensor is ONE collective whose
         # source-target pairs span every stage's devices, and the executor runs a stage's
         # blocks inside its tick conditionals, which the idle stages skip: XLA:CPU's
@@ -96,7 +96,7 @@ def _ring(setting: bool | str, x: Any, weights: Sequence[Any], x_names: Names,
     whole = all(s[SEQ_DIM] is None for s in o_specs) if column else x_spec[SEQ_DIM] is None
     if not (split and whole):  # no sequence parallelism here: nothing to overlap
         return None
-    return context, t, (x_spec, *w_specs), tuple(o_specs)
+    return mesh, t, (x_spec, *w_specs), tuple(o_specs)
 
 
 def _neighbour(t: int, step: int = 1) -> list[tuple[int, int]]:
@@ -113,7 +113,7 @@ def column_matmul(fn: Callable[..., tuple[Any, ...]], x: Any, weights: Sequence[
     ring = _ring(setting, x, weights, x_names, weight_names, out_names, out_shapes, True)
     if ring is None:
         return fn(x, *weights)
-    context, t, in_specs, out_specs = ring
+    mesh, t, in_specs, out_specs = ring
 
     def forward(chunk: Any, *ws: Any) -> tuple[Any, ...]:
         i, n = lax.axis_index(AXIS), chunk.shape[SEQ_DIM]
@@ -155,9 +155,7 @@ def column_matmul(fn: Callable[..., tuple[Any, ...]], x: Any, weights: Sequence[
 
     local = jax.custom_vjp(forward)
     local.defvjp(lambda chunk, *ws: (forward(chunk, *ws), (chunk, ws)), backward)
-    run = jax.shard_map(local, mesh=context, in_specs=in_specs, out_specs=out_specs,
-                        axis_names={AXIS}, check_vma=False)
-    return tuple(run(x, *weights))
+    return tuple(shard_map_over(local, mesh, {AXIS}, in_specs, out_specs)(x, *weights))
 
 
 def row_matmul(fn: Callable[..., Any], h: Any, weights: Sequence[Any], h_names: Names,
@@ -171,7 +169,7 @@ def row_matmul(fn: Callable[..., Any], h: Any, weights: Sequence[Any], h_names: 
     ring = _ring(setting, h, weights, h_names, weight_names, [out_names], [out_shape], False)
     if ring is None:
         return fn(h, *weights)
-    context, t, in_specs, out_specs = ring
+    mesh, t, in_specs, out_specs = ring
 
     def local(whole: Any, *ws: Any) -> Any:
         i = lax.axis_index(AXIS)
@@ -183,6 +181,4 @@ def row_matmul(fn: Callable[..., Any], h: Any, weights: Sequence[Any], h_names: 
             acc = part if acc is None else lax.ppermute(acc, AXIS, _neighbour(t)) + part
         return acc
 
-    run = jax.shard_map(local, mesh=context, in_specs=in_specs, out_specs=out_specs[0],
-                        axis_names={AXIS}, check_vma=False)
-    return run(h, *weights)
+    return shard_map_over(local, mesh, {AXIS}, in_specs, out_specs[0])(h, *weights)

@@ -508,8 +508,8 @@ def test_xla_attention_backward_holds_its_score_arrays_together(tmp_path, monkey
     trainer = gpt_trainer(config, devices=list(gpu_topology(N, "H100").devices),
                           with_data=False, plan=plan)
     options = loop.gpu_compile_options
-    monkeypatch.setattr(loop, "gpu_compile_options", lambda flags: {
-        **options(flags), "xla_dump_to": str(tmp_path), "xla_dump_hlo_as_proto": True})
+    monkeypatch.setattr(loop, "gpu_compile_options", lambda *flags: {
+        **options(*flags), "xla_dump_to": str(tmp_path), "xla_dump_hlo_as_proto": True})
     compiled = trainer.compile()
     peak = live_peak(newest_dump(tmp_path))
     score = 1 * 4 * 2048 * 2048 * 4  # a row per device, 4 heads, float32

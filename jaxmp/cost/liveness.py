@@ -148,9 +148,10 @@ class Timeline:
     def held_together(self, seq: int) -> Timeline:
         """This timeline with the backward's score-sized matmul operands and results
         (``[..., seq, seq]``: XLA attention's scores, probabilities and their gradients) each
-        live until the last of them is read. XLA's GPU fusion of the softmax backward recomputes the probabilities
-        from the raw scores, so the recomputed scores, the probabilities, their gradient and
-        the scores' gradient are live at once (docs/planner.md §7, "Stop 31")."""
+        live until the last of them is read. XLA's GPU fusion of the softmax backward
+        recomputes the probabilities from the raw scores, so the recomputed scores, the
+        probabilities, their gradient and the scores' gradient are live at once
+        (docs/planner.md §7, "Stop 31")."""
         kinds = self.matmul or (0,) * len(self.shapes)
         scores = [k for k, (shape, kind) in enumerate(zip(self.shapes, kinds))
                   if kind == MATMUL and len(shape) >= 2 and shape[-2:] == (seq, seq)

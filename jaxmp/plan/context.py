@@ -194,8 +194,9 @@ class Context:
         # With the sequence split, a matmul's activation operands and results stay whole
         # (gathered inputs, partial sums before the reduce-scatter; jaxmp.cost.liveness).
         whole = self._divisor(i, fsdp, tensor, False) if sp else None
-        timeline = self.cached(("timeline", i, remat), lambda: lay.transient[remat].held_together(
-            self.cost.seq_len) if self.profile.holds_scores else lay.transient[remat])
+        base = lay.transient[remat]  # GPUs hold the scores together (DeviceProfile)
+        timeline = self.cached(("timeline", i, remat), lambda: base.held_together(
+            self.cost.seq_len)) if self.profile.holds_scores else base
         sizes = self.cached(("transient", i, remat, fsdp, tensor, sp),
                             lambda: timeline.sizes(div, self.profile.upcasts_16bit, whole,
                                                    self.profile.reassociates_all_reduce))

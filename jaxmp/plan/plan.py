@@ -145,31 +145,37 @@ def _alternative(c: Candidate, best: Candidate, limit: float) -> dict[str, Any]:
             "reason": reason_lost(c, best, limit)}
 
 
-def _param_specs(cost: ModelCost, mesh: Mapping[str, int], rules: Sequence) -> dict[str, list]:
+def _resolved(cost: ModelCost, mesh: Mapping[str, int],
+              rules: Sequence) -> dict[str, sharding.Resolution | None]:
+    """Each parameter path's rule resolution on ``mesh``, once per path (a stack's layers
+    share their leaves); ``None`` for a leaf without logical names."""
     sizes = {**mesh, "stage": 1}  # stages split layers by range, not by a param dim
-    out: dict[str, list] = {}
+    out: dict[str, sharding.Resolution | None] = {}
     for lay in cost.layers:
         for leaf in lay.params:
             if leaf.path not in out:
-                spec = sharding.resolve(leaf.names, leaf.shape, sizes, rules).spec \
-                    if leaf.names is not None else ()
-                out[leaf.path] = [list(e) if isinstance(e, tuple) else e for e in spec]
+                out[leaf.path] = None if leaf.names is None else sharding.resolve(
+                    leaf.names, leaf.shape, sizes, rules, leaf.path)
     return out
 
 
-def fallback_note(cost: ModelCost, mesh: Mapping[str, int], rules: Sequence) -> str | None:
+def _param_specs(resolved: Mapping[str, sharding.Resolution | None]) -> dict[str, list]:
+    return {path: [list(e) if isinstance(e, tuple) else e for e in (r.spec if r else ())]
+            for path, r in resolved.items()}
+
+
+def fallback_note(resolved: Mapping[str, sharding.Resolution | None]) -> str | None:
     """One line naming the weights a mesh axis skips because it does not divide their dim
     (e.g. heads 3 on tensor 2: attention replicated over tensor); the prediction counts
     them as the rules place them, replicated."""
-    sizes = {**mesh, "stage": 1}
-    found = {(f.logical, f.dim_size, f.mesh_axis, f.axis_size): f.path
-             for lay in cost.layers for leaf in lay.params if leaf.names is not None
-             for f in sharding.resolve(leaf.names, leaf.shape, sizes, rules, leaf.path).fallbacks}
+    found = {(f.logical, f.dim_size, f.mesh_axis, f.axis_size): path
+             for path, r in resolved.items() if r is not None for f in r.fallbacks}
     if not found:
         return None
     return "replicated where the axis does not divide: " + "; ".join(
         f"{logical} {n} on {axis} {size} ({path}, ...)"
-        for (logical, n, axis, size), path in found.items()) + " (the prediction counts them replicated)"
+        for (logical, n, axis, size), path in found.items()) \
+        + " (the prediction counts them replicated)"
 
 
 @dataclass(frozen=True)
@@ -298,12 +304,13 @@ def plan(cost: ModelCost, n_devices: int, profile: DeviceProfile,
                          f"{fmt_bytes(c.prediction.per_device_bytes)} per device")
     alternatives = [_alternative(c, best, ctx.memory_limit)
                     for c in itertools.islice((c for c in result.ranked if c is not best), top)]
+    resolved = _resolved(cost, best.mesh, rules)
     return Plan(layout=best.layout, predicted=best.prediction, fits=best.fits,
                 runnable=best.runnable, rules=rules, n_devices=n_devices,
-                param_specs=_param_specs(cost, best.mesh, rules),
+                param_specs=_param_specs(resolved),
                 layers=[lay.to_dict() for lay in cost.layers], alternatives=alternatives,
                 dropped=dict(result.dropped), device=profile, memory_limit=ctx.memory_limit,
                 planning_time_s=time.perf_counter() - start,
-                notes=notes + [n for n in (fallback_note(cost, best.mesh, rules),) if n]
+                notes=notes + [n for n in (fallback_note(resolved),) if n]
                 + list(cost.warnings), blockers=list(best.blockers),
                 devices_needed=needed, candidates=result.ranked)

@@ -23,11 +23,11 @@ from jaxmp.compression.gather import gather_dtype, reduce_dtype
 from jaxmp.compression.reduce import Compression, bytes_factor
 from jaxmp.cost import ModelCost
 from jaxmp.devices import DeviceProfile
-from jaxmp.mesh import AXES
 from jaxmp.pipeline.footprint import fold, stack_span
 from jaxmp.pipeline.stages import StageSplit, split_layers
 from jaxmp.plan.sequence import choices as sequence_choices, regather_bytes
 from jaxmp.plan.shard import LayerShard, resolve_shard
+from jaxmp.plan.links import link_bw
 from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
                                reduction)
 from jaxmp.plan.master import itemsize, master_weights_of
@@ -203,17 +203,8 @@ class Context:
         return timeline.peak_of(sizes, rows)
 
     def link_bw(self, sizes: dict[str, int]) -> dict[str, float]:
-        """Bandwidth each axis's collectives run at. Across hosts, a group with ``g``
-        members per host runs as ``g`` rings, each through another GPU's NIC (DGX / HGX):
-        ``min(intra, g * inter)`` (nccl-tests across 8 x H100 NDR hosts: 400-450 GB/s bus
-        bandwidth, saturncloud.io/blog/crusoe-nccl-cluster-validation). Stage: one NIC."""
-        per_host = self.profile.devices_per_host or self.n
-        intra, inter, out, inner = self.profile.intra_host_bw, self.profile.inter_host_bw, {}, 1
-        for axis in reversed(AXES):  # tensor innermost ... data outermost
-            below, inner = inner, inner * sizes[axis]
-            g = 1 if axis == "stage" or per_host % below else min(sizes[axis], per_host // below)
-            out[axis] = intra if inner <= per_host else min(intra, g * inter)
-        return out
+        """Bandwidth each axis's collectives run at (:func:`jaxmp.plan.links.link_bw`)."""
+        return link_bw(self.profile, self.n, sizes)
 
     def table(self, remat: str, data: int, fsdp: int, tensor: int,
               microbatches: int, sp: bool = False, staged: bool = False) -> LayerTable:

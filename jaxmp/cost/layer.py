@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmp.cost import flops as F
+from jaxmp.cost.activation import matmul_activation_bytes
 from jaxmp.cost.fusion import kept_values
 from jaxmp.cost.liveness import Timeline, backward_timeline
 from jaxmp.cost.trace import LayerCall
@@ -207,6 +208,8 @@ def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[s
         one = _residual_avals(call, "none", one_row, 1, staged=True,
                               outputs=outputs_one)[1] if rows > 1 else None
         out["staged"]["none"] = saved_from(res, one, rows)
+    out["all_reduce"] = matmul_activation_bytes(_layer_fn(call)[0], call.params, call.rest,
+                                                arrays)
     out["probe"] = (_layer_fn(call)[0], _vjp_program(call, "none")[0],
                     (call.params, call.rest, _cotangents(outputs), *arrays))
     return out

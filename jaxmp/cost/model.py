@@ -32,7 +32,7 @@ from jaxmp._util.arrays import nbytes as _nbytes
 from jaxmp._util.fmt import fmt_bytes, fmt_flops, table
 from jaxmp.cost import flops as F
 from jaxmp.cost.fusion import kept_values
-from jaxmp.cost.layer import Saved, analyse_layer, saved_from, with_rows
+from jaxmp.cost.layer import Saved, analyse_layer, carried_input_bytes, saved_from, with_rows
 from jaxmp.cost.traffic import LinearTraffic, linear
 from jaxmp.cost.traffic import count as count_traffic
 from jaxmp.cost.trace import root_residuals, scope_index, trace_residuals, trace_training
@@ -330,7 +330,7 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
         leaves = leaves_under(spec.name)
         pbytes = float(sum(x.nbytes for x in leaves)) / count
         out_bytes = _float_bytes(call.outputs)
-        in_bytes = _float_bytes((call.args, call.kwargs))
+        in_bytes = carried_input_bytes(call)
         if order and idx == order[0]:
             layers[0].boundary_bytes = in_bytes
         probes[spec.name] = a["probe"]

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+# private, but the one tracer-level dead-code pass (it follows pjit and custom rules inside)
+from jax._src.interpreters.partial_eval import dce_jaxpr
 
 from jaxmp.cost import flops as F
-from jaxmp.cost.activation import matmul_activation_bytes
 from jaxmp.cost.fusion import kept_values
 from jaxmp.cost.liveness import Timeline, backward_timeline
 from jaxmp.cost.trace import LayerCall
@@ -100,6 +101,28 @@ def _layer_fn(call: LayerCall) -> tuple[Callable, list, list[bool]]:
 
     arrays = [leaves[i] for i in dyn]
     return f, arrays, [bool(jnp.issubdtype(a.dtype, jnp.inexact)) for a in arrays]
+
+
+def carried_input_bytes(call: LayerCall) -> float:
+    """Bytes of the float inputs whose tangent reaches the layer's outputs: the activation
+    stream a tensor-parallel block all-reduces (its gradient, backward). A causal mask made
+    from the tokens enters only through comparisons and carries none, however large."""
+    f, arrays, is_float = _layer_fn(call)
+    floats = [a for a, fl in zip(arrays, is_float) if fl]
+    if not floats:
+        return 0.0
+
+    def tangent_out(params: Any, rest: Any, values: list, tangents: list) -> Any:
+        def g(*fl: Any) -> Any:
+            it = iter(fl)
+            return f(params, rest, *[next(it) if flt else a for a, flt in zip(values, is_float)])
+        primals = [a for a, flt in zip(values, is_float) if flt]
+        return jax.jvp(g, tuple(primals), tuple(tangents))[1]
+
+    closed = jax.make_jaxpr(tangent_out)(call.params, call.rest, arrays, floats)
+    _, used = dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    return float(sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                     for a, u in zip(floats, used[-len(floats):]) if u))
 
 
 def _vjp_program(call: LayerCall, policy: str, staged: bool = False
@@ -208,8 +231,6 @@ def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[s
         one = _residual_avals(call, "none", one_row, 1, staged=True,
                               outputs=outputs_one)[1] if rows > 1 else None
         out["staged"]["none"] = saved_from(res, one, rows)
-    out["all_reduce"] = matmul_activation_bytes(_layer_fn(call)[0], call.params, call.rest,
-                                                arrays)
     out["probe"] = (_layer_fn(call)[0], _vjp_program(call, "none")[0],
                     (call.params, call.rest, _cotangents(outputs), *arrays))
     return out

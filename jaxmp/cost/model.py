@@ -32,7 +32,7 @@ from jaxmp._util.arrays import nbytes as _nbytes
 from jaxmp._util.fmt import fmt_bytes, fmt_flops, table
 from jaxmp.cost import flops as F
 from jaxmp.cost.fusion import kept_values
-from jaxmp.cost.layer import Saved, analyse_layer, saved_from, with_rows
+from jaxmp.cost.layer import Saved, analyse_layer, carried_input_bytes, saved_from, with_rows
 from jaxmp.cost.traffic import LinearTraffic, linear
 from jaxmp.cost.traffic import count as count_traffic
 from jaxmp.cost.trace import root_residuals, scope_index, trace_residuals, trace_training
@@ -59,8 +59,6 @@ class LayerCost:
     optimizer_bytes: float
     boundary_bytes: float  # output activations (what a pipeline stage would send on)
     input_bytes: float = 0.0  # float input activations
-    # The activation its tensor all-reduces move (jaxmp.cost.activation); 0: unknown
-    all_reduce_bytes: float = 0.0
     act_itemsize: int = 4  # bytes per element of its float activations
     in_loop: bool = False  # runs inside a loop (a scanned layer stack)
     group: str = ""  # layers of one group (the blocks of a stack) have identical costs
@@ -82,12 +80,6 @@ class LayerCost:
     def flops(self, remat: str = "none") -> float:
         """Training FLOPs (forward, backward, recomputation) at the traced batch."""
         return self.fwd_flops + self.bwd_flops + self.recompute_flops.get(remat, 0.0)
-
-    @property
-    def io_bytes(self) -> float:
-        """The activation a tensor all-reduce of it moves: its weight matmuls' narrow side,
-        else the larger of its input and output."""
-        return self.all_reduce_bytes or max(self.boundary_bytes, self.input_bytes)
 
     def run_flops(self, remat: str = "none") -> float:
         """:meth:`flops` less what fused kernels skip (a causal attention's masked half):
@@ -338,7 +330,7 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
         leaves = leaves_under(spec.name)
         pbytes = float(sum(x.nbytes for x in leaves)) / count
         out_bytes = _float_bytes(call.outputs)
-        in_bytes = _float_bytes((call.args, call.kwargs))
+        in_bytes = carried_input_bytes(call)
         if order and idx == order[0]:
             layers[0].boundary_bytes = in_bytes
         probes[spec.name] = a["probe"]
@@ -355,7 +347,6 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
                 param_count=float(sum(math.prod(x.shape) for x in leaves)) / count,
                 param_bytes=pbytes, optimizer_bytes=optimizer_bytes(call.params),
                 boundary_bytes=out_bytes, input_bytes=in_bytes,
-                all_reduce_bytes=a["all_reduce"],
                 act_itemsize=_itemsize(call.outputs), in_loop=idx in att["looped"],
                 group=spec.name))
     layers.append(post)

@@ -228,7 +228,7 @@ class Context:
             saved = self._saved_bytes(i, remat, fsdp, tensor, rows, False, sp, staged)
             act = self._saved_bytes(i, remat, fsdp, tensor, rows, True, sp) \
                 if not lay.in_loop else saved
-            io = lay.io_bytes * rows / cost.rows
+            io = max(lay.boundary_bytes, lay.input_bytes) * rows / cost.rows
             if self.profile.upcasts_16bit and lay.act_itemsize == 2:
                 io *= 2
             transient = self._transient(i, remat, fsdp, tensor, rows, io, sp)

@@ -110,10 +110,10 @@ def manual_axes(mesh: Any) -> frozenset[str]:
 
 
 def shard_map_over(fn: Callable[..., Any], mesh: Mesh, axes: Collection[str], in_specs: Any,
-                   out_specs: Any) -> Callable[..., Any]:
+                   out_specs: Any, check_vma: bool = False) -> Callable[..., Any]:
     """``fn`` on local arrays, manual over ``axes`` only (the rest stay automatic: XLA
     partitions them), on the mesh traced now (nested in an enclosing ``shard_map``). The
     ring's and the stages' bodies mix values that vary over the manual axes with ones that do
     not, so jax's varying-axes check is off."""
     return jax.shard_map(fn, mesh=current_mesh(mesh), in_specs=in_specs, out_specs=out_specs,
-                         axis_names=set(axes), check_vma=False)
+                         axis_names=set(axes), check_vma=check_vma)

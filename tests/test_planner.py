@@ -378,3 +378,17 @@ def test_trainer_plans_a_custom_model_from_an_example_batch(tmp_path):
     trainer.fit()
     written = json.loads((tmp_path / "plan.json").read_text())
     assert written["mesh"] == trainer.plan.mesh and "alternatives" in written
+
+
+def test_saved_divisor_splits_a_head_count_factored_in_two():
+    """GQA's ``[batch, kv_heads, group, seq, seq]`` scores split over tensor like the heads
+    (kv 2 x group 6 = heads 12 on tensor 4), a head's width (heads x head_dim, the last dims)
+    does not count, and a plain split dim still does."""
+    from jaxmp.plan.divisor import saved_divisor
+
+    div = saved_divisor(frozenset({12, 4096}), 4)
+    assert div((8, 2, 6, 1024, 1024), 0) == 4
+    assert div((8, 1024, 2, 128), 0) == 1  # kv heads 2 (replicated) x head_dim 128
+    assert div((8, 1024, 32, 128), 0) == 1  # 32 x 128 = 4096, but the last dims: a width
+    assert div((8, 1024, 4096), 0) == 4
+    assert saved_divisor(frozenset({12}), 1)((8, 2, 6, 16, 16), 0) == 1

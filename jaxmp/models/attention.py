@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxmp.config import ATTENTION_KINDS
 from jaxmp.errors import ConfigError
-from jaxmp.sharding.activations import local
+from jaxmp.sharding.activations import local, local_specs
 
 SETTINGS = ("auto", *ATTENTION_KINDS)
 CUDNN_DTYPES = ("bfloat16", "float16")
@@ -105,4 +107,19 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str) -> jax
     call = partial(jax.nn.dot_product_attention, is_causal=True, implementation=implementation)
     if implementation != "cudnn":
         return call(q, k, v)
+    return attend_locally(call, q, k, v)
+
+
+def attend_locally(call: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array
+                   ) -> jax.Array:
+    """``call(q, k, v)`` on local arrays (:func:`jaxmp.sharding.activations.local`). Where the
+    kv heads do not split over the mesh as the query heads do (kv heads 4 on tensor 8, heads
+    32), each kv head is first repeated for the query heads of its group, as Megatron
+    replicates kv heads over a tensor group wider than their count: a device's query heads
+    then meet the kv heads they read (the local call would pair local head i with kv head i)."""
+    specs = local_specs([q.shape, k.shape], [QUERY_NAMES, KV_NAMES])
+    if specs is not None and k.shape[2] != q.shape[2] and \
+            tuple(specs[0])[2:3] != tuple(specs[1])[2:3]:
+        group = q.shape[2] // k.shape[2]
+        k, v = (jnp.repeat(a, group, axis=2) for a in (k, v))
     return local(call, (q, k, v), (QUERY_NAMES, KV_NAMES, KV_NAMES), QUERY_NAMES)

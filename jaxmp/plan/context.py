@@ -27,6 +27,7 @@ from jaxmp.pipeline.footprint import fold, stack_span
 from jaxmp.pipeline.stages import StageSplit, split_layers
 from jaxmp.plan.sequence import choices as sequence_choices, regather_bytes
 from jaxmp.plan.shard import LayerShard, resolve_shard
+from jaxmp.plan.divisor import saved_divisor
 from jaxmp.plan.links import link_bw
 from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
                                reduction)
@@ -164,7 +165,7 @@ class Context:
         return self.cost.seq_len if SEQ in self.cost.activation_names else None
 
     def _divisor(self, i: int, fsdp: int, tensor: int, sp: bool):
-        return _saved_divisor(self.shard(i, fsdp, tensor).tensor_dims, tensor,
+        return saved_divisor(self.shard(i, fsdp, tensor).tensor_dims, tensor,
                               (self.seq_len or 0) if sp else 0)
 
     def _saved_bytes(self, i: int, remat: str, fsdp: int, tensor: int, rows: float,
@@ -377,18 +378,3 @@ def zero_divisor(layout: Layout) -> int:
     """What the optimizer state and its update are divided by beyond the params' sharding:
     ``data`` when it is sharded over data (:mod:`jaxmp.train.zero`), else 1."""
     return layout.sizes.get("data", 1) if layout.optimizer_sharding == "data" else 1
-
-
-def _saved_divisor(tdims: frozenset[int], tensor: int, seq: int = 0):
-    """What splits an activation over ``tensor``: a dim a tensor-split weight has (heads, mlp,
-    vocab), or — with sequence parallelism (``seq``: its length; 0 off) — the sequence dim
-    right after the batch dim, which the residual stream's other arrays keep whole."""
-    def divisor(shape: tuple, bdim: int | None) -> int:
-        if tensor <= 1:
-            return 1
-        hit = any(s in tdims and s % tensor == 0 for dim, s in enumerate(shape) if dim != bdim)
-        seq_split = seq and bdim is not None and len(shape) > bdim + 1 and \
-            shape[bdim + 1] == seq and seq % tensor == 0
-        return tensor if hit or seq_split else 1
-
-    return divisor

@@ -114,17 +114,13 @@ def gathered(x: Any, names: Sequence[str | None], axis: str = "fsdp") -> Any:
     return jax.lax.with_sharding_constraint(x, named(mesh, spec_without(spec, axis)))
 
 
-def local(fn: Callable[..., Any], args: Sequence[Any], in_names: Sequence[Sequence[str | None]],
-          out_names: Sequence[str | None]) -> Any:
-    """``fn(*args)`` (one array out) run on local arrays: a ``shard_map`` over the mesh axes
-    still automatic where this is traced (all of them, or those an enclosing ``shard_map`` over
-    part of the mesh left, e.g. the pipeline's over ``stage``), each array split as its logical
-    names resolve on those axes. For an op that partitions itself (jax's cuDNN attention, a
-    custom-partitioning op) and cannot inside a shard_map over part of the mesh. A plain call
-    outside :func:`activation_sharding` or where no mesh axis is left automatic."""
+def _local_axes() -> tuple[Mesh, Any, dict[str, int], set[str]] | None:
+    """The mesh and rules traced now, each axis's size as :func:`local` splits by (1 where an
+    enclosing ``shard_map`` made it manual) and the axes still automatic; None where
+    :func:`local` makes a plain call."""
     active = _ACTIVE.get()
     if active is None:
-        return fn(*args)
+        return None
     mesh, rules = active
     manual = manual_axes(mesh)
     sizes = {a: (1 if a in manual else int(n)) for a, n in dict(mesh.shape).items()}
@@ -132,11 +128,38 @@ def local(fn: Callable[..., Any], args: Sequence[Any], in_names: Sequence[Sequen
     # call only where all of the mesh's axes are manual (jax/_src/custom_partitioning.py)
     auto = set(sizes) - manual
     if not auto or all(sizes[a] == 1 for a in auto) and not manual:
+        return None
+    return mesh, rules, sizes, auto
+
+
+def local_specs(shapes: Sequence[Sequence[int]], names: Sequence[Sequence[str | None]]
+                ) -> list[P] | None:
+    """The PartitionSpecs :func:`local` would split arrays of ``shapes`` by (None: a plain
+    call), for a caller that must know whether two operands split alike."""
+    found = _local_axes()
+    if found is None:
+        return None
+    _, rules, sizes, _ = found
+    return [resolve(tuple(n), tuple(s), sizes, rules).spec
+            for n, s in zip(names, shapes, strict=True)]
+
+
+def local(fn: Callable[..., Any], args: Sequence[Any], in_names: Sequence[Sequence[str | None]],
+          out_names: Sequence[str | None]) -> Any:
+    """``fn(*args)`` (one array out) run on local arrays: a ``shard_map`` over the mesh axes
+    still automatic where this is traced (all of them, or those an enclosing ``shard_map`` over
+    part of the mesh left, e.g. the pipeline's over ``stage``), each array split as its logical
+    names resolve on those axes. For an op that partitions itself (jax's cuDNN attention, a
+    custom-partitioning op) and cannot inside a shard_map over part of the mesh. A plain call
+    outside :func:`activation_sharding` or where no mesh axis is left automatic. jax's
+    varying-axes check is on: an array an axis does not split (heads that do not divide over
+    ``tensor``) is the same on each of its devices, so its gradient is not summed over it
+    (without the check jax all-reduced those gradients, a collective per layer)."""
+    found = _local_axes()
+    if found is None:
         return fn(*args)
-
-    def spec(names: Sequence[str | None], shape: Sequence[int]) -> P:
-        return resolve(tuple(names), tuple(shape), sizes, rules).spec
-
-    in_specs = tuple(spec(n, np.shape(a)) for n, a in zip(in_names, args, strict=True))
+    mesh, _, _, auto = found
+    in_specs = tuple(local_specs([np.shape(a) for a in args], in_names))
     out_shape = jax.eval_shape(fn, *args).shape
-    return shard_map_over(fn, mesh, auto, in_specs, spec(out_names, out_shape))(*args)
+    (out_spec,) = local_specs([out_shape], [out_names])
+    return shard_map_over(fn, mesh, auto, in_specs, out_spec, check_vma=True)(*args)

@@ -234,7 +234,10 @@ def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTran
             params, opt_state, grads = master(tx, grads, state.opt_state, state.params)
         elif zero is not None:  # optimizer state sharded over data (ZeRO-1)
             params, opt_state, grads = zero(tx, grads, state.opt_state, state.params)
-        else:
+        else:  # gradients laid out as their params: where the model's compute dtype is the
+            # params' (no cast to reduce-scatter before), XLA otherwise all-reduced a whole
+            # fsdp-split table to take the clipping norm of it (docs/planner.md "Stop 32 (Sw)")
+            grads = jax.lax.with_sharding_constraint(grads, layout.shardings.params)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),

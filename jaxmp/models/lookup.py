@@ -39,8 +39,10 @@ def sharded_lookup(table: jax.Array, tokens: jax.Array, table_names: Any,
                         constrain(tokens, TOKENS), axis=0).astype(dtype)
 
     def forward(table: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        # What the backward keeps: every row's ids (no transfer when the caller gathered them)
-        return lookup(table, tokens), gathered(tokens, TOKENS)
+        # The ids kept as they came: constrained here, inside the pipeline's first-chunk
+        # conditional, they gave its branches different shardings (XLA:CPU's verifier failed
+        # under sequence parallelism); the backward pins them whole.
+        return lookup(table, tokens), tokens
 
     def backward(ids: jax.Array, grad: jax.Array) -> tuple[jax.Array, None]:
         grad = moved(grad, STREAM_GRAD, dim=2)  # [batch, seq, embed / fsdp]

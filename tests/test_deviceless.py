@@ -405,9 +405,10 @@ def test_a_pipelined_step_compiles_for_gpus():
 
     The stage's rows and the shared params (embedding, head) are gathered once per step,
     before the tick loop (ticks.resident): no weight gather inside a tick's conditional, where
-    none could overlap compute. Left in the loop: the lookup gradient's gathers of each
-    microbatch's cotangents and token ids over fsdp, 4 of them, exposed (stop 26: 12, 10
-    exposed, the embedding's and head's weights among them; before: 28, 26). Bytes, each
+    none could overlap compute. Nor the lookup gradient's (models.lookup, stop 32): its token
+    ids are gathered before the loop too and its cotangent moves by an all-to-all (until stop
+    32: 4 loop all-gathers of cotangents and ids, exposed; stop 26: 12, 10 exposed, the
+    embedding's and head's weights among them; before: 28, 26). Bytes, each
     tick's conditionals charged on the ticks that run them (hlo.branches), within 3 % of the
     plan's (measured: 11.13 predicted, 11.10 MB compiled; stop 26 9.6 vs 10.5, when the count
     took one operand of the ticks' combined activation + cotangent permute). XLA's attention
@@ -424,8 +425,7 @@ def test_a_pipelined_step_compiles_for_gpus():
     assert plan.predicted.per_device_bytes == pytest.approx(m.peak_bytes, rel=0.10)
     assert plan.predicted.comm_bytes_per_step == pytest.approx(m.collective_bytes, rel=0.03)
     overlap = collective_overlap(m.compiled)
-    assert len(overlap.loop_all_gathers) <= 4 and overlap.exposed_loop_all_gathers <= 4, \
-        overlap.summary()
+    assert not overlap.loop_all_gathers, overlap.summary()
     stack = [a for a in overlap.collectives if a.kind == "all-gather" and not a.in_loop]
     assert stack, overlap.summary()  # the resident rows' gather, once per step
 

@@ -22,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmp.gradsum import scan_layers
 from jaxmp.models.attention import attend
+from jaxmp.models.lookup import sharded_lookup
 from jaxmp.models.vjp import recomputed, weight_grad_first
 from jaxmp.remat import (ATTENTION_OUT, ATTENTION_SCOPE, KEY, MLP_IN, MLP_OUT, QUERY, VALUE,
                          checkpointed)
@@ -310,13 +311,18 @@ class GPT(nnx.Module):
             x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], stacked))
         return x
 
-    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """Token ids → the first block's input (the pipeline's first stage runs this)."""
+    def embed_tokens(self, tokens: jax.Array, sharded_grad: bool = False) -> jax.Array:
+        """Token ids → the first block's input (the pipeline's first stage runs this, with
+        ``sharded_grad``: its gradient scattered into the table's shards, see
+        :mod:`jaxmp.models.lookup`)."""
         dt = jnp.dtype(self.cfg.compute_dtype)
-        # Use the table like an activation (whole embed dim) so the gather's output can follow
-        # the batch sharding instead of the table's fsdp sharding.
-        table = constrain(self.embed[...], ("act_vocab", "act_embed"))
-        x = jnp.take(table, tokens, axis=0).astype(dt)
+        if sharded_grad:
+            x = sharded_lookup(self.embed[...], tokens, names_of(self.embed)[0], dt)
+        else:
+            # Use the table like an activation (whole embed dim) so the gather's output can
+            # follow the batch sharding instead of the table's fsdp sharding.
+            table = constrain(self.embed[...], ("act_vocab", "act_embed"))
+            x = jnp.take(table, tokens, axis=0).astype(dt)
         # The lookup over the whole sequence (Megatron's vocab-parallel embedding), then split
         # as the residual stream is: under sequence parallelism the backward gathers the
         # stream's gradient before scattering it into the table, instead of shuffling token

@@ -45,12 +45,16 @@ LAST_CHUNK = "last_chunk"  # ... and on the last chunk only
 class PipelineSpec:
     """How a model runs as stages: ``pre(model, mb) -> x``, the blocks of the layer stack at
     attribute ``stack`` (leading ``layers`` axis), ``post(model, x, mb) -> loss | (loss, aux)``;
-    ``remat`` is the model's per-block rematerialisation policy."""
+    ``remat`` is the model's per-block rematerialisation policy; ``token_ids`` the microbatch
+    keys ``pre`` looks up in a table: the executor gathers them over fsdp once per step, before
+    the tick loop, so the lookup's gradient reads them without a gather inside a tick
+    (:mod:`jaxmp.models.lookup`)."""
 
     stack: str
     pre: Callable[[nnx.Module, dict], jax.Array]
     post: Callable[[nnx.Module, jax.Array, dict], Any]
     remat: str = "none"
+    token_ids: tuple[str, ...] = ()
 
 
 def to_stages(params: nnx.State, spec: PipelineSpec, split: StageSplit) -> nnx.State:

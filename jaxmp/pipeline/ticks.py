@@ -66,7 +66,12 @@ class DeviceTicks:
         # stashed backward recomputes the lookup), exposed (docs/planner.md §7, stop 27).
         self.shared_names = leaf_names(shared)
         self.shared = resident(shared, self.shared_names)
-        self.rest, self.microbatches = rest, microbatches
+        # The token ids the first chunk looks up, gathered over fsdp here (outside the loop,
+        # as the weights are) for the lookup's gradient (jaxmp.models.lookup).
+        self.token_ids = executor.spec.token_ids
+        self.rest, self.microbatches = rest, {
+            k: sharding.gathered(v, (None, "batch", None)) if k in self.token_ids else v
+            for k, v in microbatches.items()}
         activation = chunk.activation(self.params(0), self.microbatch(0), rest)
         self.zero_activation = jnp.zeros(activation.shape, activation.dtype)  # A
 
@@ -88,7 +93,10 @@ class DeviceTicks:
         return pinned(tree, self.shared_names)
 
     def microbatch(self, index: Any) -> dict:
-        return jax.tree.map(lambda a: a[index], self.microbatches)
+        """Microbatch ``index``; its token ids whole over fsdp (read from the copy gathered
+        before the loop: pinned here too, or the partitioner gathers them in the tick)."""
+        return {k: sharding.gathered(v[index], ("batch", None)) if k in self.token_ids
+                else jax.tree.map(lambda a: a[index], v) for k, v in self.microbatches.items()}
 
     def global_chunk(self, local_chunk: Any) -> jax.Array:
         return local_chunk * self.stages + self.device

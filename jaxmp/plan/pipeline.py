@@ -110,10 +110,11 @@ def _terms(ctx: Context, remat: str, data: int, fsdp: int, tensor: int,
         once = float(np.where(ctx.tied | ~outside, 0.0, table.first_gather_bytes).sum())
         per_microbatch = table.fsdp_bytes - table.gathers * table.first_gather_bytes
         if lo and fsdp > 1 and table.first_gather_bytes[:lo].any():
-            # The lookup's gradient (a scatter-add into a table split over fsdp) gathers the
-            # microbatch's cotangents and token ids over fsdp (GPU-compiled), per microbatch.
+            # The lookup's gradient (jaxmp.models.lookup): per microbatch an all-to-all moves
+            # the stream's gradient from batch shards to embed shards, and the token ids are
+            # gathered over fsdp once per step (each microbatch's share counted here).
             ids = 4 * ctx.cost.rows * ctx.cost.seq_len / (data * fsdp * microbatches)
-            per_microbatch[0] += (fsdp - 1) * (boundary + ids)
+            per_microbatch[0] += (fsdp - 1) / fsdp * boundary + (fsdp - 1) * ids
         prefix = {name: table.prefix(name) for name in _SUMMED}
         prefix["fsdp_bytes"] = np.concatenate([[0.0], np.cumsum(per_microbatch)])
         return _Terms(table.row(lo), float(table.saved[:lo].sum()),
@@ -138,7 +139,7 @@ def fsdp_step_bytes(ch: Chunks, prefix: np.ndarray, blk: dict[str, float], stage
     """fsdp bytes of the busiest device per step: the stack's rows and the shared params
     gathered once (:func:`resident_weight_bytes`), not per microbatch-chunk; per microbatch
     (``prefix``: per layer, without the gathers) the gradients' reduce-scatters, each
-    backward's own, and the lookup's gathers."""
+    backward's own, and the lookup's all-to-all and token ids (jaxmp.models.lookup)."""
     return microbatches * ch.busiest(prefix, stages) + rows * blk["first_gather_bytes"] \
         + shared_gather
 

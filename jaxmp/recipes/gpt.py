@@ -225,9 +225,10 @@ def gpt_trainer(config: Config, run_dir: str | os.PathLike = "runs/default", *,
 def gpt_pipeline(config: Config) -> PipelineSpec:
     """How the GPT splits into stages: embedding, the ``blocks`` stack, final norm + head +
     loss."""
-    return PipelineSpec("blocks", pre=lambda model, mb: model.embed_tokens(mb["inputs"]),
+    return PipelineSpec("blocks",
+                        pre=lambda model, mb: model.embed_tokens(mb["inputs"], sharded_grad=True),
                         post=lambda model, x, mb: next_token_loss(model.logits(x), mb),
-                        remat=config.model.remat)
+                        remat=config.model.remat, token_ids=("inputs",))
 
 
 def copy_tokenizer(config: Config, run_dir: str | os.PathLike) -> None:

@@ -114,6 +114,25 @@ def gathered(x: Any, names: Sequence[str | None], axis: str = "fsdp") -> Any:
     return jax.lax.with_sharding_constraint(x, named(mesh, spec_without(spec, axis)))
 
 
+def moved(x: Any, names: Sequence[str | None], dim: int, axis: str = "fsdp") -> Any:
+    """``x`` constrained to its logical names' sharding with mesh axis ``axis`` moved from
+    whichever dim holds it to ``dim`` (the partitioner reshards with an all-to-all: ``1/n`` of
+    an all-gather's bytes); as :func:`constrain` where ``dim`` does not divide by it."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = logical_spec(names, np.shape(x), mesh, rules)
+    n = dict(mesh.shape).get(axis, 1)
+    held = any(axis in ((e,) if isinstance(e, str) else tuple(e or ())) for e in spec)
+    if n == 1 or not held or np.shape(x)[dim] % n:
+        return jax.lax.with_sharding_constraint(x, named(mesh, spec))
+    entries = list(spec_without(spec, axis)) + [None] * (np.ndim(x) - len(spec))
+    entries[dim] = axis if entries[dim] is None else tuple(
+        (entries[dim],) if isinstance(entries[dim], str) else entries[dim]) + (axis,)
+    return jax.lax.with_sharding_constraint(x, named(mesh, P(*entries)))
+
+
 def _local_axes() -> tuple[Mesh, Any, dict[str, int], set[str]] | None:
     """The mesh and rules traced now, each axis's size as :func:`local` splits by (1 where an
     enclosing ``shard_map`` made it manual) and the axes still automatic; None where

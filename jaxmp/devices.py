@@ -73,6 +73,11 @@ class DeviceProfile:
     # gradients) live together: the GPU's softmax-backward fusion reads the raw scores
     # (jaxmp.cost.liveness.Timeline.held_together). XLA:CPU frees them as the jaxpr does.
     holds_scores: bool = True
+    # The large-GEMM plateau, a fraction of peak_flops, that weight matmuls approach as they
+    # widen (jaxmp.plan.gemm); ``efficiency`` then times only the other FLOPs. 0: every FLOP at
+    # ``efficiency`` (the CPU; a config's ``[device] efficiency`` sets it to 0: the flat
+    # number it gives then times all compute).
+    matmul_ceiling: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -82,7 +87,11 @@ class DeviceProfile:
 # of peak end to end, bubble and communication included, torchtitan's Llama 3 8B on A100s
 # 57-58 % MFU; H100 0.45 — Megatron-Core GPT-3 175B ~390 TFLOP/s (39 %), Llama 3 405B 38-43 %
 # MFU, torchtitan Llama 3.1 8B 33-39 %; H200: the H100's compute with 1.4x its memory bandwidth
-# for the memory-bound operations, 0.50 (fewer public bf16 numbers).
+# for the memory-bound operations, 0.50 (fewer public bf16 numbers). These time the non-matmul
+# FLOPs and activation x activation matmuls; weight matmuls approach ``matmul_ceiling`` as they
+# widen (jaxmp.plan.gemm), fitted with its knee on the published bf16 runs (recipes/published.py,
+# docs/planner.md §7 "Stop 32 (Me2)"): 0.78 on the H100 chip (cuBLAS's large bf16 GEMMs reach
+# 700-800 of its 989 TFLOP/s), 0.66 on the A100.
 # Memory: what the driver reports (``cudaDeviceProp.totalGlobalMem``), the number JAX's GPU
 # allocator takes its fraction of and the compile target's (jaxmp.gpu_targets): one number, so
 # the planner, the allocator and a deviceless compile judge against the same limit.
@@ -92,16 +101,19 @@ def _bw(kind: str) -> float:
 
 PROFILES: dict[str, DeviceProfile] = {
     "A100-40GB": DeviceProfile("A100-40GB", 312e12, TARGETS["A100-40GB"].memory_bytes, 300e9,
-                               25e9, efficiency=0.60, memory_bw=_bw("A100-40GB")),
+                               25e9, efficiency=0.60, memory_bw=_bw("A100-40GB"),
+                               matmul_ceiling=0.66),
     "A100-80GB": DeviceProfile("A100-80GB", 312e12, TARGETS["A100-80GB"].memory_bytes, 300e9,
-                               25e9, efficiency=0.60, memory_bw=_bw("A100-80GB")),
+                               25e9, efficiency=0.60, memory_bw=_bw("A100-80GB"),
+                               matmul_ceiling=0.66),
     "H100": DeviceProfile("H100", 989e12, TARGETS["H100"].memory_bytes, 450e9, 50e9,
-                          efficiency=0.45, memory_bw=_bw("H100")),
+                          efficiency=0.45, memory_bw=_bw("H100"), matmul_ceiling=0.78),
     # The 96 GB HBM2e H100 (e.g. Meta's Grand Teton hosts, where torchtitan measures).
     "H100-96GB": DeviceProfile("H100-96GB", 989e12, TARGETS["H100-96GB"].memory_bytes, 450e9,
-                               50e9, efficiency=0.45, memory_bw=_bw("H100-96GB")),
+                               50e9, efficiency=0.45, memory_bw=_bw("H100-96GB"),
+                               matmul_ceiling=0.78),
     "H200": DeviceProfile("H200", 989e12, TARGETS["H200"].memory_bytes, 450e9, 50e9,
-                          efficiency=0.50, memory_bw=_bw("H200")),
+                          efficiency=0.50, memory_bw=_bw("H200"), matmul_ceiling=0.78),
     # CPU: peak measured at run time (a 1024^2 float32 matmul), memory read from the host;
     # "links" are memcpy. A GPT's forward + backward reaches about half the matmul rate
     # (scripts/measure.py device-efficiency on 2 cores: 0.009 of 0.018 TFLOP/s).
@@ -113,7 +125,7 @@ PROFILES: dict[str, DeviceProfile] = {
 }
 OVERRIDABLE = tuple(f.name for f in dataclasses.fields(DeviceProfile)
                     if f.name not in ("kind", "shared_host", "upcasts_16bit", "overlap",
-                                      "updates_in_place", "holds_scores"))
+                                      "updates_in_place", "holds_scores", "matmul_ceiling"))
 
 
 def match_kind(device_kind: str) -> str | None:
@@ -173,6 +185,8 @@ def profile_for(device_kind: str | None = None, measure_cpu: bool = True,
             base = replace(base, memory_bytes=_host_memory())
             if measure_cpu and "peak_flops" not in given:
                 base = replace(base, peak_flops=measured_matmul_flops())
+    if "efficiency" in given:
+        base = replace(base, matmul_ceiling=0.0)
     return replace(base, **given)
 
 

@@ -222,7 +222,8 @@ class DeviceConfig(Section):
     inter_host_bw: float = bounded(0.0, ge=0)  # bytes/s per device across hosts
     devices_per_host: int = bounded(0, ge=0)  # devices sharing the fast intra-host links
     usable_fraction: float = bounded(0.0, ge=0, le=1)  # of memory_bytes the planner may fill
-    efficiency: float = bounded(0.0, ge=0, le=1)  # achievable fraction of peak_flops
+    # achievable fraction of peak_flops; set, it times all compute (no matmul-width curve)
+    efficiency: float = bounded(0.0, ge=0, le=1)
     # memory (HBM) bandwidth in bytes/s: the time model's memory-bound work (GPUs' datasheet)
     memory_bw: float = bounded(0.0, ge=0)
 

@@ -28,6 +28,7 @@ from jaxmp.pipeline.stages import StageSplit, split_layers
 from jaxmp.plan.sequence import choices as sequence_choices, regather_bytes
 from jaxmp.plan.shard import LayerShard, resolve_shard
 from jaxmp.plan.divisor import saved_divisor
+from jaxmp.plan.gemm import compute_seconds
 from jaxmp.plan.links import link_bw
 from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
                                reduction)
@@ -243,7 +244,7 @@ class Context:
             regather = rematted or (lay.in_loop and not (custom and remat == "none"))
             kept = 0.0 if regather else sh.gather_wire
             # Time: the FLOPs the device runs (less what causal kernels skip) at the
-            # achievable rate, plus the memory-bound work at the memory bandwidth: the saved
+            # achievable rate (weight matmuls: at their width's, jaxmp.plan.gemm), plus the memory-bound work at the memory bandwidth: the saved
             # activations written in the forward and read back in the backward, and from the
             # program's count (jaxmp.cost.traffic) the thin matmuls' bytes beyond their FLOPs and
             # the fusions of XLA's attention (of the embedding / head / loss: all of them;
@@ -252,7 +253,8 @@ class Context:
             flops = lay.run_flops(remat) * rows / cost.rows / split
             bw = self.profile.memory_bw
             traffic = lay.traffic.get(remat)
-            seconds = flops / self.rate + (2 * act / bw if bw else 0.0) + (
+            seconds = compute_seconds(flops, traffic, rows, split, self.profile,
+                                      self.peak, self.rate) + (2 * act / bw if bw else 0.0) + (
                 traffic.seconds(rows, split, self.rate, bw, fused=lay.kind in ("pre", "post"))
                 if traffic is not None else 0.0)
             # Full remat recomputes the forward, with its row-parallel all-reduces (all but the

@@ -84,7 +84,10 @@ def render(plan: Plan, batch: str = "") -> str:
     """
     p, dev = plan.predicted, plan.device
     lines = [f"jaxmp plan: {plan.n_devices} x {dev.kind} (peak {fmt_flops(dev.peak_flops)}/s, "
-             f"{dev.efficiency:.0%} of it achievable; {fmt_bytes(plan.memory_limit)} usable per "
+             f"{dev.efficiency:.0%} of it achievable"
+             + (f", weight matmuls up to {dev.matmul_ceiling:.0%} by width"
+                if dev.matmul_ceiling else "")
+             + f"; {fmt_bytes(plan.memory_limit)} usable per "
              f"device)" + (f"; global batch {batch}" if batch else ""), "",
              "per-layer costs (whole global batch, remat none; a stack's blocks: per block):"]
     lines += table(["layer", "forward", "backward", "params", "saved", "output"],

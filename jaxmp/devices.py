@@ -78,6 +78,10 @@ class DeviceProfile:
     # ``efficiency`` (the CPU; a config's ``[device] efficiency`` sets it to 0: the flat
     # number it gives then times all compute).
     matmul_ceiling: float = 0.0
+    # The loss gradient, written over the logits, stays live through the stack's backward:
+    # XLA's GPU scheduler takes the head's weight gradient after the last block's backward
+    # (jaxmp.plan.head). XLA:CPU is not measured for it and keeps the old model.
+    holds_head_gradient: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,11 +125,12 @@ PROFILES: dict[str, DeviceProfile] = {
                          usable_fraction=0.8, efficiency=0.5, overlap=False, shared_host=True,
                          upcasts_16bit=True, reassociates_all_reduce=False,
                          sequence_parallel_in_stages=True, updates_in_place=False,
-                         holds_scores=False),
+                         holds_scores=False, holds_head_gradient=False),
 }
 OVERRIDABLE = tuple(f.name for f in dataclasses.fields(DeviceProfile)
                     if f.name not in ("kind", "shared_host", "upcasts_16bit", "overlap",
-                                      "updates_in_place", "holds_scores", "matmul_ceiling"))
+                                      "updates_in_place", "holds_scores", "matmul_ceiling",
+                                      "holds_head_gradient"))
 
 
 def match_kind(device_kind: str) -> str | None:

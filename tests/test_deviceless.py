@@ -489,6 +489,45 @@ def test_a_research_model_is_planned_as_the_gpus_it_is_given():
         PROFILES["H100"].memory_bytes * PROFILES["H100"].usable_fraction)
 
 
+def _dumped_step(config, tmp_path, monkeypatch):
+    """The plan for 8 deviceless H100s and its step compiled with XLA's proto dump in
+    ``tmp_path`` (for :func:`jaxmp.hlo.heap.live_peak`)."""
+    from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
+    from jaxmp.topology import gpu_topology
+    from jaxmp.train import loop
+
+    plan = gpt_plan(config, N, device_kind="H100", platform="cuda")
+    trainer = gpt_trainer(config, devices=list(gpu_topology(N, "H100").devices),
+                          with_data=False, plan=plan)
+    options = loop.gpu_compile_options
+    monkeypatch.setattr(loop, "gpu_compile_options", lambda *flags: {
+        **options(*flags), "xla_dump_to": str(tmp_path), "xla_dump_hlo_as_proto": True})
+    return plan, trainer.compile()
+
+
+def test_head_output_gradient_is_held_through_the_blocks_backward(tmp_path, monkeypatch):
+    """XLA's GPU program writes the loss gradient over the logits and takes the head's weight
+    gradient after the blocks' backward, so a logits-sized array is live through it
+    (jaxmp.plan.head; docs/planner.md §7 "Stop 32"). d 256, 8 heads, vocab 16384, seq 2048,
+    2 layers, float32, fsdp 8, measured (jax 0.10.2): 700 MiB predicted, 757 compiled
+    (-7.5 %); without the held gradient 572 (-24 %)."""
+    if not cuda_plugin_installed():
+        pytest.skip('JAX\'s CUDA plugin is not installed: pip install -e ".[cuda]"')
+    from jaxmp.hlo.heap import live_peak, newest_dump
+
+    config = _config("xla", "model.compute_dtype=float32", "model.param_dtype=float32",
+                     "model.remat=full", "model.layers=2", "model.heads=8",
+                     "model.vocab_size=16384")
+    plan, compiled = _dumped_step(config, tmp_path, monkeypatch)
+    logits = 1 * 2048 * 16384 * 4  # a row per device, float32
+    assert logits in {size for _, size in live_peak(newest_dump(tmp_path)).buffers}
+    m = compiled.memory_analysis()
+    peak = m.temp_size_in_bytes + m.argument_size_in_bytes  # as jaxmp.tools.measure
+    p = plan.predicted
+    assert p.working_parts["the head's output gradient, held to its weight gradient"] == logits
+    assert 0.90 * peak <= p.per_device_bytes <= 1.10 * peak
+
+
 def test_xla_attention_backward_holds_its_score_arrays_together(tmp_path, monkeypatch):
     """Float32 XLA attention under full remat on deviceless H100s: the GPU program's heap
     holds four score-sized arrays at its peak (recomputed scores, probabilities, their
@@ -498,27 +537,20 @@ def test_xla_attention_backward_holds_its_score_arrays_together(tmp_path, monkey
     if not cuda_plugin_installed():
         pytest.skip('JAX\'s CUDA plugin is not installed: pip install -e ".[cuda]"')
     from jaxmp.hlo.heap import live_peak, newest_dump
-    from jaxmp.recipes.gpt import gpt_plan, gpt_trainer
-    from jaxmp.topology import gpu_topology
-    from jaxmp.train import loop
 
     config = _config("xla", "model.compute_dtype=float32", "model.param_dtype=float32",
                      "model.remat=full", "model.layers=2")
-    plan = gpt_plan(config, N, device_kind="H100", platform="cuda")
-    trainer = gpt_trainer(config, devices=list(gpu_topology(N, "H100").devices),
-                          with_data=False, plan=plan)
-    options = loop.gpu_compile_options
-    monkeypatch.setattr(loop, "gpu_compile_options", lambda *flags: {
-        **options(*flags), "xla_dump_to": str(tmp_path), "xla_dump_hlo_as_proto": True})
-    compiled = trainer.compile()
+    plan, compiled = _dumped_step(config, tmp_path, monkeypatch)
     peak = live_peak(newest_dump(tmp_path))
     score = 1 * 4 * 2048 * 2048 * 4  # a row per device, 4 heads, float32
     assert sum(size == score for _, size in peak.buffers) >= 4
     live = peak.bytes + compiled.memory_analysis().argument_size_in_bytes
     # Measured (jax 0.10.2): five held (the next loop iteration's recomputed scores too, not
-    # modelled), 367 MiB live against 282 predicted (-23 %); before Stop 31 it counted three.
+    # modelled), 383 MiB live against 282 predicted (-26 %); before Stop 31 it counted three.
+    # (Stop 32: the replay now counts in-place results that share a freed operand's space;
+    # it read 367 MiB before, so the 0.75 bound was set against an undercount.)
     p = plan.predicted.per_device_bytes
-    assert p >= 4 * score and 0.75 * live <= p <= live
+    assert p >= 4 * score and 0.70 * live <= p <= live
 
 
 @needs_plugin

@@ -44,6 +44,7 @@ import numpy as np
 
 from jaxmp.mesh import AXES
 from jaxmp.plan.context import Context, LayerTable, zero_divisor
+from jaxmp.plan.head import held_below_head
 from jaxmp.plan.layout import Layout
 from jaxmp.plan.master import MasterTerms, master_terms
 from jaxmp.plan.pipeline import predict_pipeline
@@ -81,6 +82,8 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     # with microbatches the step adds a stack's gradients into the running sum inside the
     # backward (jaxmp.gradsum): no stack-sized gradient buffer beside it
     phase = backward_phases(table, ctx.in_loop, ctx.tied, summed=microbatches > 1)
+    head = held_below_head(ctx, data, fsdp, tensor, microbatches, layout.sequence_parallel)
+    phase = Phases(phase.live, phase.grads, phase.total + head)
     k = int(np.argmax(phase.total))
     accumulator, update = update_terms(ctx, m, params, layout, zero, microbatches > 1,
                                        float(table.grads.max(initial=0.0)))
@@ -89,9 +92,12 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     name = cost.layers[k].group or cost.layers[k].name
     if during >= update:
         acts, grads = float(phase.live[k]), float(phase.grads[k]) + accumulator
-        working = float(table.work[k]) + cast
+        working = float(table.work[k]) + cast + float(head[k])
         gathered = float(table.work[k] - table.transient[k])
         working_parts = {f"{name} backward": float(table.transient[k])}
+        if head[k]:
+            working_parts["the head's output gradient, held to its weight gradient"] = \
+                float(head[k])
         if gathered:
             working_parts[f"{name} fsdp-gathered weights + grads"] = gathered
         if cast - m.copy:

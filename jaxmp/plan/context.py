@@ -165,14 +165,16 @@ class Context:
         activations name the sequence dim (:data:`jaxmp.sharding.sequence.SEQ`); else None."""
         return self.cost.seq_len if SEQ in self.cost.activation_names else None
 
-    def _divisor(self, i: int, fsdp: int, tensor: int, sp: bool):
+    def divisor(self, i: int, fsdp: int, tensor: int, sp: bool):
+        """What splits layer ``i``'s saved values on this mesh (``divisor(shape, batch_dim)``:
+        the tensor split of their tensor-parallel dims, the sequence's under SP)."""
         return saved_divisor(self.shard(i, fsdp, tensor).tensor_dims, tensor,
                               (self.seq_len or 0) if sp else 0)
 
     def _saved_bytes(self, i: int, remat: str, fsdp: int, tensor: int, rows: float,
                      fused: bool, sp: bool = False, staged: bool = False) -> float:
         def split() -> tuple[float, float]:
-            div = self._divisor(i, fsdp, tensor, sp)
+            div = self.divisor(i, fsdp, tensor, sp)
             lay = self.cost.layers[i]
             saved = lay.fused.get(remat, lay.saved.get(remat)) if fused else lay.saved[remat]
             if staged:  # what a pipeline's stash keeps (jaxmp.pipeline.residuals)
@@ -192,10 +194,10 @@ class Context:
         lay = self.cost.layers[i]
         if remat not in lay.transient:  # the root's code: its gradients mirror what it keeps
             return 2 * io + self._saved_bytes(i, remat, fsdp, tensor, rows, True, sp)
-        div = self._divisor(i, fsdp, tensor, sp)
+        div = self.divisor(i, fsdp, tensor, sp)
         # With the sequence split, a matmul's activation operands and results stay whole
         # (gathered inputs, partial sums before the reduce-scatter; jaxmp.cost.liveness).
-        whole = self._divisor(i, fsdp, tensor, False) if sp else None
+        whole = self.divisor(i, fsdp, tensor, False) if sp else None
         base = lay.transient[remat]  # GPUs hold the scores together (DeviceProfile)
         timeline = self.cached(("timeline", i, remat), lambda: base.held_together(
             self.cost.seq_len)) if self.profile.holds_scores else base

@@ -49,6 +49,6 @@ def held_below_head(ctx: Context, data: int, fsdp: int, tensor: int, microbatche
     post = kinds.index("post")
     rows = ctx.cost.rows / (data * fsdp * microbatches)
     below[:post] = largest_value(ctx.cost.layers[post], rows,
-                                 ctx._divisor(post, fsdp, tensor, sp),
+                                 ctx.divisor(post, fsdp, tensor, sp),
                                  ctx.profile.upcasts_16bit)
     return below

@@ -246,7 +246,8 @@ class Context:
             regather = rematted or (lay.in_loop and not (custom and remat == "none"))
             kept = 0.0 if regather else sh.gather_wire
             # Time: the FLOPs the device runs (less what causal kernels skip) at the
-            # achievable rate (weight matmuls: at their width's, jaxmp.plan.gemm), plus the memory-bound work at the memory bandwidth: the saved
+            # achievable rate (weight matmuls at their width's, jaxmp.plan.gemm), plus the
+            # memory-bound work at the memory bandwidth: the saved
             # activations written in the forward and read back in the backward, and from the
             # program's count (jaxmp.cost.traffic) the thin matmuls' bytes beyond their FLOPs and
             # the fusions of XLA's attention (of the embedding / head / loss: all of them;

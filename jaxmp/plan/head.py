@@ -27,15 +27,10 @@ def largest_value(lay: LayerCost, rows: float, divisor, upcast_16bit: bool) -> f
     saved = lay.saved.get("none")
     if saved is None:
         return 0.0
-    best = 0.0
-    for shape, item, bdim in zip(saved.shapes, saved.itemsizes, saved.batch_dims):
-        if bdim is None:
-            continue
-        item = lay.act_itemsize
-        item = 4 if upcast_16bit and item == 2 else item
-        size = math.prod(shape) * item / divisor(shape, bdim) * rows / saved.rows
-        best = max(best, size)
-    return best
+    item = 4 if upcast_16bit and lay.act_itemsize == 2 else lay.act_itemsize
+    return max((math.prod(shape) * item / divisor(shape, bdim) * rows / saved.rows
+                for shape, bdim in zip(saved.shapes, saved.batch_dims) if bdim is not None),
+               default=0.0)
 
 
 def held_below_head(ctx: Context, data: int, fsdp: int, tensor: int, microbatches: int,
@@ -48,7 +43,8 @@ def held_below_head(ctx: Context, data: int, fsdp: int, tensor: int, microbatche
         return below
     post = kinds.index("post")
     rows = ctx.cost.rows / (data * fsdp * microbatches)
-    below[:post] = largest_value(ctx.cost.layers[post], rows,
-                                 ctx.divisor(post, fsdp, tensor, sp),
-                                 ctx.profile.upcasts_16bit)
+    # once per mesh and microbatch count: predict runs for every candidate layout
+    below[:post] = ctx.cached(("head", rows, fsdp, tensor, sp), lambda: largest_value(
+        ctx.cost.layers[post], rows, ctx.divisor(post, fsdp, tensor, sp),
+        ctx.profile.upcasts_16bit))
     return below

@@ -328,7 +328,10 @@ class GPT(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         """The last block's output → logits (the pipeline's last stage runs this)."""
         x = self.final_norm(x)
-        head = self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
+        tied = self.cfg.tie_embeddings
+        head = self.embed[...].T if tied else self.unembed[...]
+        names = names_of(self.embed if tied else self.unembed)[0]
+        names = tuple(reversed(names)) if tied and names else names
         # Used as an activation is (the vocabulary over tensor, as stored): the transposed
         # constraint keeps the weight gradient on that slice. Without it, under sequence
         # parallelism with the optimizer state over data (a (tensor, data) cut of the
@@ -339,7 +342,7 @@ class GPT(nnx.Module):
         # (weight_grad_first); elsewhere XLA runs it at once anyway, and the barrier would
         # only cost the data reduction of its partial sums a reduce-scatter (test_master).
         sp = splits(x.shape, ("batch", "seq", "act_embed"), 1)
-        logits = (weight_grad_first if sp else jnp.matmul)(x, head)
+        logits = weight_grad_first(x, head, names) if sp else jnp.matmul(x, head)
         return constrain(logits, ("batch", "seq", "act_vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

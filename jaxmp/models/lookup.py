@@ -30,7 +30,7 @@ def sharded_lookup(table: jax.Array, tokens: jax.Array, table_names: Any,
                    dtype: Any) -> jax.Array:
     """``table[tokens]`` in ``dtype`` (``table`` used whole, as an activation ``("act_vocab",
     "act_embed")``) whose gradient moves in ``dtype`` and is made in the sharding of
-    ``table_names`` (the param's logical names), summed in float32."""
+    ``table_names`` (the param's logical names), summed in the table's dtype."""
 
     @jax.custom_vjp
     def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -46,10 +46,12 @@ def sharded_lookup(table: jax.Array, tokens: jax.Array, table_names: Any,
     def backward(ids: jax.Array, grad: jax.Array) -> tuple[jax.Array, None]:
         grad = moved(grad, STREAM_GRAD, dim=2)  # [batch, seq, embed / fsdp]
         ids = gathered(ids, TOKENS)
-        # Summed in float32 and rounded once, as a matmul's weight gradient is: the table may
-        # be the step's 16-bit copy, and a frequent token's rows add up hundreds of terms.
-        table_grad = jnp.zeros(table.shape, jnp.float32).at[ids].add(grad.astype(jnp.float32))
-        return constrain(table_grad.astype(table.dtype), table_names), None
+        # Summed in the table's dtype, as JAX's own gradient is (the step's 16-bit copy where
+        # fsdp makes one). A float32 sum rounded after made XLA all-reduce it over data in
+        # float32 where the optimizer state is sharded over data, not reduce-scatter it in
+        # 16 bits: the convert sat between the reduction and its slice (test_master).
+        table_grad = jnp.zeros(table.shape, table.dtype).at[ids].add(grad.astype(table.dtype))
+        return constrain(table_grad, table_names), None
 
     lookup.defvjp(forward, backward)
     return lookup(table, tokens)

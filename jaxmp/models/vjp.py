@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxmp.sharding import constrain
+
 
 def recomputed(fn: Callable[..., jax.Array], *static: Any) -> Callable[..., jax.Array]:
     """``fn(*arrays, *static)`` whose backward pass recomputes it from its inputs: it keeps its
@@ -38,12 +40,10 @@ def recomputed(fn: Callable[..., jax.Array], *static: Any) -> Callable[..., jax.
     return f
 
 
-@jax.custom_vjp
-def weight_grad_first(x: jax.Array, w: jax.Array) -> jax.Array:
+def weight_grad_first(x: jax.Array, w: jax.Array, w_names: Any = None) -> jax.Array:
     """``x @ w`` whose backward pass hands on the input gradient only once the weight
     gradient is computed (an ``optimization_barrier`` over the input gradient and the weight
-    gradient, whose own value flows on outside it: the partitioner still reduce-scatters it
-    into the weights' shards, which it cannot do across a barrier); the same gradients.
+    gradient); the same gradients.
 
     Why: the output head under sequence parallelism. Its weight gradient reads the final
     norm's output gathered whole again (``[batch, seq, embed]``) and the logits' gradient
@@ -51,18 +51,23 @@ def weight_grad_first(x: jax.Array, w: jax.Array) -> jax.Array:
     after the layers' backward pass and kept both alive through it (gpt-1b at 4 layers,
     tensor 8, 4 microbatches: 11.44 -> 9.45 GiB compiled, docs/planner.md §7 "Stop 29").
     Tying the two gradients ends both buffers where the head's backward ends, as without
-    sequence parallelism (where the GPT does not use it)."""
-    return x @ w
+    sequence parallelism (where the GPT does not use it). The weight gradient enters the
+    barrier in ``w_names``' sharding (the stored weight's logical names): the partitioner
+    cannot reduce-scatter across a barrier, so without it the fsdp partial sums were
+    all-reduced whole (twice a reduce-scatter's bytes; docs/planner.md §7 "Stop 33")."""
 
+    @jax.custom_vjp
+    def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+        return x @ w
 
-def _first_forward(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple]:
-    return x @ w, (x, w)
+    def forward(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple]:
+        return x @ w, (x, w)
 
+    def backward(res: tuple, grad: jax.Array) -> tuple:
+        dx, dw = jax.vjp(jnp.matmul, *res)[1](grad)
+        if w_names is not None:
+            dw = constrain(dw, w_names)
+        return jax.lax.optimization_barrier((dx, dw))
 
-def _first_backward(res: tuple, grad: jax.Array) -> tuple:
-    dx, dw = jax.vjp(jnp.matmul, *res)[1](grad)
-    dx, _ = jax.lax.optimization_barrier((dx, dw))
-    return dx, dw
-
-
-weight_grad_first.defvjp(_first_forward, _first_backward)
+    matmul.defvjp(forward, backward)
+    return matmul(x, w)

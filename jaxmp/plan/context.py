@@ -282,9 +282,10 @@ class Context:
             # counting the folded last chunk's forward twice, §7 "Stop 30".)
             n_all_reduce = row + backward + (max(0, row - 1) if recomputes_all else 0)
             # An embedding lookup's all-reduce (row-parallel on a vocab-split table) sums the
-            # table's rows before the cast to the compute dtype: in the table's dtype.
+            # table's rows before the cast to the compute dtype: in the table's dtype (the
+            # step's 16-bit copy where fsdp makes one: sh.cast).
             wide = sh.row_itemsize / lay.act_itemsize if lay.kind == "pre" and row \
-                and not self.profile.upcasts_16bit else 1.0
+                and not self.profile.upcasts_16bit and not sh.cast else 1.0
             tensor_bytes = n_all_reduce * 2 * (tensor - 1) / tensor * io * max(1.0, wide) \
                 if tensor > 1 else 0.0
             tensor_bytes += regather_bytes(inputs, io, sp=sp, tensor=tensor,

@@ -229,7 +229,8 @@ class Context:
         per_group = []
         for i in self.first:
             lay, sh = cost.layers[i], self.shard(i, fsdp, tensor)
-            saved = self._saved_bytes(i, remat, fsdp, tensor, rows, False, sp, staged)
+            saved = self._saved_bytes(i, remat, fsdp, tensor, rows, lay.in_loop and not staged
+                                      and self.profile.scan_keeps_fused, sp, staged)
             act = self._saved_bytes(i, remat, fsdp, tensor, rows, True, sp) \
                 if not lay.in_loop else saved
             io = max(lay.boundary_bytes, lay.input_bytes) * rows / cost.rows

@@ -237,9 +237,12 @@ def test_gpu_step_peak_as_predicted(cudnn_step, xla_step):
     float32 partial products [splits, M, N] of the block's small weights (26 of the 27 MiB at
     the peak; docs/planner.md §7 "Stop 29"), which at the 8B shape are negligible: within 3 %
     there.
-    XLA +28 % — a known miss, on the safe side:
-    the cost model's residuals of XLA's attention include float32 S x S arrays the GPU compiler
-    fuses into one bfloat16 one (docs/planner.md). Arguments are exact: the same sharded state.
+    XLA: +28 % while the planner counted JAX's residual list in the layer loop (a mask and
+    three S x S arrays a layer: 923 against 707 MB); the GPU stacks the fused two (a float32,
+    a bfloat16; DeviceProfile.scan_keeps_fused, docs/planner.md §7 "Stop 33 (Sc2)"): 586
+    against 707 MB (-17 %). The 115 MiB still missing (about two float32 S x S arrays of one
+    layer) is not attributed; at gpt-1b's shape (16 heads, 4 layers, fsdp 8) bf16 XLA
+    attention is 3.82 against 4.05 GiB (-5.6 %). Arguments are exact: the same sharded state.
     """
     for step in (cudnn_step, xla_step):
         m, p = step["measured"], step["plan"].predicted
@@ -247,7 +250,7 @@ def test_gpu_step_peak_as_predicted(cudnn_step, xla_step):
     m, p = cudnn_step["measured"], cudnn_step["plan"].predicted
     assert p.per_device_bytes == pytest.approx(m.peak_bytes, rel=0.27)
     m, p = xla_step["measured"], xla_step["plan"].predicted
-    assert m.peak_bytes <= p.per_device_bytes <= 1.4 * m.peak_bytes
+    assert 0.80 * m.peak_bytes <= p.per_device_bytes <= 1.10 * m.peak_bytes
 
 
 def test_flash_attention_keeps_no_scores(cudnn_step, xla_step):

@@ -45,7 +45,7 @@ class LayerTable:
 
     kept: np.ndarray  # activations kept for the backward as the layer runs (fused outside a
     # loop), plus fsdp-gathered weights kept for it
-    saved: np.ndarray  # activations a scan stores for the backward
+    saved: np.ndarray  # activations a scan stores for the backward (fused ones on GPUs)
     work: np.ndarray  # the backward working set: transient + gathered weights and their grads
     transient: np.ndarray  # live values of the backward beyond saved activations
     time: np.ndarray  # compute seconds with the tensor all-reduces on the critical path

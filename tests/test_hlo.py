@@ -83,6 +83,14 @@ def test_empty_groups_use_argument_then_header_then_warn():
     assert stats.ops[0].group_size == 1 and stats.warnings
 
 
+def test_async_all_to_all_counts_its_result_not_the_operand_tuple():
+    # GPU all-to-all-start returns ((operands), result): one buffer is sent, not two.
+    body = """  %s = ((bf16[2,2048,8,128]{3,1,0,2}), bf16[2,2048,8,128]{3,1,0,2}) all-to-all-start(%p), channel_id=4, replica_groups=[1,8]<=[8], dimensions={2}
+  ROOT %d = bf16[2,2048,8,128]{3,1,0,2} all-to-all-done(%s)"""
+    stats = collective_stats(_module(body))
+    assert stats.bytes_by_kind["all-to-all"] == pytest.approx(7 / 8 * 2 * 2048 * 8 * 128 * 2)
+
+
 def test_each_kind_and_formula():
     body = """  %ar = (f32[10]{0}, f32[20]{0}) all-reduce(%p, %q), replica_groups=[1,8]<=[8], to_apply=%add
   %ag = f32[8192]{0} all-gather(%p), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}

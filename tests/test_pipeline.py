@@ -31,7 +31,7 @@ from jaxmp.train.state import init_state, plan_state
 from jaxmp.train.step import batch_sharding, make_eval_step, make_grad_fn
 from helpers import TINY, gpt_fn, lm_batch, one_device
 
-SPEC = PipelineSpec("blocks", pre=lambda m, b: m.embed_tokens(b["inputs"], sharded_grad=True),
+SPEC = PipelineSpec("blocks", pre=lambda m, b: m.embed_tokens(b["inputs"]),
                     post=lambda m, x, b: next_token_loss(m.logits(x), b), token_ids=("inputs",))
 OPT = OptimizerConfig(lr=1e-3, warmup_steps=1, eps=1e-4)
 

@@ -87,6 +87,19 @@ class LayerCost:
         the work the device runs, which its time is charged for."""
         return self.flops(remat) - self.skipped_flops.get(remat, 0.0)
 
+    def largest_value(self, rows: float, divisor: Callable, upcast_16bit: bool) -> float:
+        """The largest batch-sized value it keeps for its backward (without remat) at
+        ``rows``, divided by ``divisor(shape, batch_dim)``, in its activation dtype (a head's:
+        its logits, whose gradient has their shape and the logits' dtype even where the loss
+        keeps a float32 copy)."""
+        saved = self.saved.get("none")
+        if saved is None:
+            return 0.0
+        item = 4 if upcast_16bit and self.act_itemsize == 2 else self.act_itemsize
+        return max((math.prod(shape) * item / divisor(shape, bdim) * rows / saved.rows
+                    for shape, bdim in zip(saved.shapes, saved.batch_dims)
+                    if bdim is not None), default=0.0)
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "fwd_flops": self.fwd_flops,
                 "bwd_flops": self.bwd_flops, "param_count": self.param_count,
@@ -115,6 +128,9 @@ class ModelCost:
     # Its blocks' tensor-parallel projections run as ring collective matmuls under sequence
     # parallelism (jaxmp.sharding.ring): True, False, or "auto" (where the backend overlaps).
     tensor_rings: bool | str = False
+    # Its "pre" layer is an embedding lookup whose gradient is scattered into the table's own
+    # fsdp shards after an all-to-all of the stream's gradient (jaxmp.models.lookup).
+    sharded_lookup: bool = False
 
     def flops_per_step(self, remat: str = "none") -> float:
         return sum(layer.flops(remat) for layer in self.layers)

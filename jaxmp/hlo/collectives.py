@@ -100,10 +100,11 @@ def tuple_parts(shape: str) -> list[str]:
 
 
 def _result_shape(ins: Instr) -> str:
-    """The result part of an async start's shape: jax 0.12's ``all-reduce-start`` returns
-    ``((operands), result)``, earlier ones only the result."""
+    """The result part of an async start's shape: ``all-to-all-start`` (and jax 0.12's
+    ``all-reduce-start``) returns ``((operands), result)``, earlier all-reduces the result."""
     parts = tuple_parts(ins.shape)
-    if ins.opcode == "all-reduce-start" and len(parts) == 2 and parts[0].startswith("("):
+    if ins.opcode in ("all-reduce-start", "all-to-all-start") and len(parts) == 2 \
+            and parts[0].startswith("("):
         return parts[1]
     return ins.shape
 

@@ -311,18 +311,12 @@ class GPT(nnx.Module):
             x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], stacked))
         return x
 
-    def embed_tokens(self, tokens: jax.Array, sharded_grad: bool = False) -> jax.Array:
-        """Token ids → the first block's input (the pipeline's first stage runs this, with
-        ``sharded_grad``: its gradient scattered into the table's shards, see
-        :mod:`jaxmp.models.lookup`)."""
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """Token ids → the first block's input. The lookup's gradient is scattered into the
+        table's own shards (:mod:`jaxmp.models.lookup`): no table-sized gradient per device
+        and an all-to-all of the stream's gradient instead of the table's reduce-scatter."""
         dt = jnp.dtype(self.cfg.compute_dtype)
-        if sharded_grad:
-            x = sharded_lookup(self.embed[...], tokens, names_of(self.embed)[0], dt)
-        else:
-            # Use the table like an activation (whole embed dim) so the gather's output can
-            # follow the batch sharding instead of the table's fsdp sharding.
-            table = constrain(self.embed[...], ("act_vocab", "act_embed"))
-            x = jnp.take(table, tokens, axis=0).astype(dt)
+        x = sharded_lookup(self.embed[...], tokens, names_of(self.embed)[0], dt)
         # The lookup over the whole sequence (Megatron's vocab-parallel embedding), then split
         # as the residual stream is: under sequence parallelism the backward gathers the
         # stream's gradient before scattering it into the table, instead of shuffling token

@@ -1,15 +1,15 @@
-"""The embedding lookup whose gradient scatters where the table's shards are: for the
-pipeline's first chunk, whose backward runs inside a tick's ``lax.cond``.
+"""The GPT's embedding lookup, whose gradient is made in the table's own shards.
 
 Differentiated as JAX does it, the lookup's gradient is a scatter-add of the stream's gradient
-``[batch, seq, embed]`` (batch split over fsdp) into the table; the partitioner all-gathers
-that gradient and the token ids over fsdp, then scatters into a table replicated over fsdp and
-slices it to the param's shards. Inside the pipeline's backward tick those two gathers sat in
-the conditional, where XLA's scheduler overlaps nothing with them: the 4 exposed loop
-all-gathers of ``70b-stages`` (docs/planner.md §7, stop 32). :func:`sharded_lookup` instead
-moves the gradient's fsdp split from its batch to its embed dim (an all-to-all: ``1/fsdp`` of
-the gather's bytes) and scatters each device's embed columns into its own shard of the table,
-reading ids its caller gathered over fsdp once per step (:attr:`PipelineSpec.token_ids`).
+``[batch, seq, embed]`` (batch split over fsdp) into the table. The partitioner then either
+scatters into a whole table on every device and reduce-scatters it over fsdp (a table-sized
+gradient per device, the table's bytes on the wire), or all-gathers the stream's gradient and
+the token ids over fsdp (data × fsdp; in a pipeline's backward tick, inside the conditional
+where nothing overlaps them: the 4 exposed loop all-gathers of ``70b-stages``, docs/planner.md
+§7, stop 32). :func:`sharded_lookup` moves the gradient's fsdp split from its batch to its
+embed dim (an all-to-all: ``1/fsdp`` of the gather's bytes) and scatters each device's embed
+columns into its own shard, with the ids gathered over fsdp (a pipeline gathers them once per
+step, :attr:`PipelineSpec.token_ids`). The planner's term: :mod:`jaxmp.plan.lookup`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ def sharded_lookup(table: jax.Array, tokens: jax.Array, table_names: Any,
                    dtype: Any) -> jax.Array:
     """``table[tokens]`` in ``dtype`` (``table`` used whole, as an activation ``("act_vocab",
     "act_embed")``) whose gradient moves in ``dtype`` and is made in the sharding of
-    ``table_names`` (the param's logical names), summed in the table's dtype as JAX's own
-    gradient is."""
+    ``table_names`` (the param's logical names), summed in float32."""
 
     @jax.custom_vjp
     def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -47,8 +46,10 @@ def sharded_lookup(table: jax.Array, tokens: jax.Array, table_names: Any,
     def backward(ids: jax.Array, grad: jax.Array) -> tuple[jax.Array, None]:
         grad = moved(grad, STREAM_GRAD, dim=2)  # [batch, seq, embed / fsdp]
         ids = gathered(ids, TOKENS)
-        table_grad = jnp.zeros(table.shape, table.dtype).at[ids].add(grad.astype(table.dtype))
-        return constrain(table_grad, table_names), None
+        # Summed in float32 and rounded once, as a matmul's weight gradient is: the table may
+        # be the step's 16-bit copy, and a frequent token's rows add up hundreds of terms.
+        table_grad = jnp.zeros(table.shape, jnp.float32).at[ids].add(grad.astype(jnp.float32))
+        return constrain(table_grad.astype(table.dtype), table_names), None
 
     lookup.defvjp(forward, backward)
     return lookup(table, tokens)

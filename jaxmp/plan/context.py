@@ -30,6 +30,7 @@ from jaxmp.plan.shard import LayerShard, resolve_shard
 from jaxmp.plan.divisor import saved_divisor
 from jaxmp.plan.gemm import compute_seconds
 from jaxmp.plan.links import link_bw
+from jaxmp.plan.lookup import lookup_gradient
 from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
                                reduction)
 from jaxmp.plan.master import itemsize, master_weights_of
@@ -192,8 +193,12 @@ class Context:
                    io: float, sp: bool = False) -> float:
         """Peak extra bytes of layer i's backward pass at ``rows`` (jaxmp.cost.liveness)."""
         lay = self.cost.layers[i]
-        if remat not in lay.transient:  # the root's code: its gradients mirror what it keeps
-            return 2 * io + self._saved_bytes(i, remat, fsdp, tensor, rows, True, sp)
+        if remat not in lay.transient:  # the root's code: its gradients mirror what it keeps,
+            # less (GPUs) the head's loss gradient, written over the logits (jaxmp.plan.head)
+            in_place = lay.largest_value(rows, self.divisor(i, fsdp, tensor, sp),
+                                         self.profile.upcasts_16bit) \
+                if self.profile.holds_head_gradient and lay.kind == "post" else 0.0
+            return 2 * io + self._saved_bytes(i, remat, fsdp, tensor, rows, True, sp) - in_place
         div = self.divisor(i, fsdp, tensor, sp)
         # With the sequence split, a matmul's activation operands and results stay whole
         # (gathered inputs, partial sums before the reduce-scatter; jaxmp.cost.liveness).
@@ -245,7 +250,9 @@ class Context:
             rematted = remat != "none" and {remat, "none"} <= set(lay.saved) \
                 and lay.saved[remat].bytes < lay.saved["none"].bytes
             regather = rematted or (lay.in_loop and not (custom and remat == "none"))
-            kept = 0.0 if regather else sh.gather_wire
+            # (Code before the first layer takes no input gradient: its backward reads no
+            # weight, and a lookup's gathered table is freed after the forward.)
+            kept = 0.0 if regather or lay.kind == "pre" else sh.gather_wire
             # Time: the FLOPs the device runs (less what causal kernels skip) at the
             # achievable rate (weight matmuls at their width's, jaxmp.plan.gemm), plus the
             # memory-bound work at the memory bandwidth: the saved
@@ -283,14 +290,19 @@ class Context:
                 if tensor > 1 else 0.0
             tensor_bytes += regather_bytes(inputs, io, sp=sp, tensor=tensor,
                                            reassociates=self.profile.reassociates_all_reduce)
-            gathers = 2.0 if regather else 1.0
-            fsdp_bytes = (fsdp - 1) / fsdp * (gathers * sh.gather_wire + sh.reduce_wire
+            # A tied head computes with the table the lookup gathered: no gather of its own.
+            gathers = 0.0 if self.tied[i] else 2.0 if regather else 1.0
+            reduce_wire, grad_held = sh.reduce_wire, sh.reduce_wire
+            if lay.kind == "pre" and cost.sharded_lookup:
+                wire, grad_held = lookup_gradient(sh.local, fsdp, io, rows, cost.seq_len)
+                reduce_wire = wire * fsdp / (fsdp - 1) if fsdp > 1 else 0.0
+            fsdp_bytes = (fsdp - 1) / fsdp * (gathers * sh.gather_wire + reduce_wire
                                               + 2 * sh.unsharded_fsdp) if fsdp > 1 else 0.0
             first_gather = (fsdp - 1) / fsdp * sh.gather_wire if fsdp > 1 else 0.0
             # The backward pass of a layer holds its gathered weights and their gradients at
             # full size (in the wire dtypes) beside its own live values.
             per_group.append((act + kept, saved,
-                              transient + sh.reduce_wire + (sh.gather_wire if regather else 0.0),
+                              transient + grad_held + (sh.gather_wire if regather else 0.0),
                               transient, seconds + tensor_bytes / bw_tensor,
                               seconds, tensor_bytes, sh.local, sh.gathered,
                               sh.unsharded_fsdp, lay.boundary_bytes * rows / cost.rows, gathers,

@@ -108,13 +108,8 @@ def _terms(ctx: Context, remat: str, data: int, fsdp: int, tensor: int,
         outside = np.ones(len(ctx.cost.layers), bool)
         outside[lo:hi] = False
         once = float(np.where(ctx.tied | ~outside, 0.0, table.first_gather_bytes).sum())
+        # (the lookup's all-to-all and token ids are the first chunk's, jaxmp.plan.lookup)
         per_microbatch = table.fsdp_bytes - table.gathers * table.first_gather_bytes
-        if lo and fsdp > 1 and table.first_gather_bytes[:lo].any():
-            # The lookup's gradient (jaxmp.models.lookup): per microbatch an all-to-all moves
-            # the stream's gradient from batch shards to embed shards, and the token ids are
-            # gathered over fsdp once per step (each microbatch's share counted here).
-            ids = 4 * ctx.cost.rows * ctx.cost.seq_len / (data * fsdp * microbatches)
-            per_microbatch[0] += (fsdp - 1) / fsdp * boundary + (fsdp - 1) * ids
         prefix = {name: table.prefix(name) for name in _SUMMED}
         prefix["fsdp_bytes"] = np.concatenate([[0.0], np.cumsum(per_microbatch)])
         return _Terms(table.row(lo), float(table.saved[:lo].sum()),

@@ -44,7 +44,7 @@ import numpy as np
 
 from jaxmp.mesh import AXES
 from jaxmp.plan.context import Context, LayerTable, zero_divisor
-from jaxmp.plan.head import held_below_head
+from jaxmp.plan.head import deferred_head_grads, held_below_head
 from jaxmp.plan.layout import Layout
 from jaxmp.plan.master import MasterTerms, master_terms
 from jaxmp.plan.pipeline import predict_pipeline
@@ -83,10 +83,12 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     # backward (jaxmp.gradsum): no stack-sized gradient buffer beside it
     phase = backward_phases(table, ctx.in_loop, ctx.tied, summed=microbatches > 1)
     head = held_below_head(ctx, data, fsdp, tensor, microbatches, layout.sequence_parallel)
-    phase = Phases(phase.live, phase.grads, phase.total + head)
+    deferred = deferred_head_grads(ctx, np.where(ctx.tied, 0.0, table.grads), head)
+    phase = Phases(phase.live, phase.grads - deferred, phase.total + head - deferred)
     k = int(np.argmax(phase.total))
+    # the data reduction in flight beside that backward: its layer's gradients (update.py)
     accumulator, update = update_terms(ctx, m, params, layout, zero, microbatches > 1,
-                                       float(table.grads.max(initial=0.0)))
+                                       float(table.grads[k]))
     cast = float(table.cast.sum()) + m.copy
     during = cast + accumulator + float(phase.total[k])
     name = cost.layers[k].group or cost.layers[k].name

@@ -152,7 +152,7 @@ def gpt_costs(config: Config, remats: Sequence[str] | None = None,
             _COST_CACHE.pop(next(iter(_COST_CACHE)))
         _COST_CACHE[key] = cost
     return dataclasses.replace(_COST_CACHE[key], runs_as=config.model.remat,
-                               tensor_rings=gcfg.collective_matmul)
+                               tensor_rings=gcfg.collective_matmul, sharded_lookup=True)
 
 
 def gpt_plan(config: Config, n_devices: int, device_kind: str | None = None, *,
@@ -226,7 +226,7 @@ def gpt_pipeline(config: Config) -> PipelineSpec:
     """How the GPT splits into stages: embedding, the ``blocks`` stack, final norm + head +
     loss."""
     return PipelineSpec("blocks",
-                        pre=lambda model, mb: model.embed_tokens(mb["inputs"], sharded_grad=True),
+                        pre=lambda model, mb: model.embed_tokens(mb["inputs"]),
                         post=lambda model, x, mb: next_token_loss(model.logits(x), mb),
                         remat=config.model.remat, token_ids=("inputs",))
 

@@ -294,7 +294,7 @@ class Context:
             # A tied head computes with the table the lookup gathered: no gather of its own.
             gathers = 0.0 if self.tied[i] else 2.0 if regather else 1.0
             reduce_wire, grad_held = sh.reduce_wire, sh.reduce_wire
-            if lay.kind == "pre" and cost.sharded_lookup:
+            if lay.kind == "pre" and cost.sharded_lookup and not staged:  # (ticks: pipeline.py)
                 wire, grad_held = lookup_gradient(sh.local, fsdp, io, rows, cost.seq_len)
                 reduce_wire = wire * fsdp / (fsdp - 1) if fsdp > 1 else 0.0
             fsdp_bytes = (fsdp - 1) / fsdp * (gathers * sh.gather_wire + reduce_wire

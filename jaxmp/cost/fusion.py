@@ -2,8 +2,7 @@
 
 JAX's VJP keeps every intermediate the backward pass reads: for a GELU MLP that is the matmul
 output *and* half a dozen elementwise functions of it. Inside a ``scan`` they all become loop
-outputs and are materialised (stacked over layers), so there the residual list is the memory
-on XLA:CPU; XLA's GPU compiler stacks only the anchors below (DeviceProfile.scan_keeps_fused).
+outputs and are materialised (stacked over layers), so there the residual list is the memory.
 In straight-line code XLA fuses elementwise chains into their consumers and recomputes them in
 the backward pass instead: only the *anchors* stay alive — values produced by operations that
 do not fuse (matmuls, convolutions, reductions, gathers, calls, library kernels such as cuDNN's

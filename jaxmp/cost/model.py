@@ -63,8 +63,7 @@ class LayerCost:
     in_loop: bool = False  # runs inside a loop (a scanned layer stack)
     group: str = ""  # layers of one group (the blocks of a stack) have identical costs
     # What stays alive when the compiler fuses elementwise chains and recomputes them (the
-    # layer outside a loop, and in a GPU's loop); ``saved`` is what a scan materialises on
-    # XLA:CPU. Default: same as saved.
+    # layer outside a loop); ``saved`` is what a scan materialises. Default: same as saved.
     fused: dict[str, Saved] = field(default_factory=dict)
     # Live values of the layer's backward pass beyond its saved activations and parameter
     # gradients, per remat policy (their peak: the working set). Empty: unknown.

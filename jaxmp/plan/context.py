@@ -46,7 +46,7 @@ class LayerTable:
 
     kept: np.ndarray  # activations kept for the backward as the layer runs (fused outside a
     # loop), plus fsdp-gathered weights kept for it
-    saved: np.ndarray  # activations a scan stores for the backward (fused ones on GPUs)
+    saved: np.ndarray  # activations a scan stores for the backward
     work: np.ndarray  # the backward working set: transient + gathered weights and their grads
     transient: np.ndarray  # live values of the backward beyond saved activations
     time: np.ndarray  # compute seconds with the tensor all-reduces on the critical path
@@ -234,10 +234,7 @@ class Context:
         per_group = []
         for i in self.first:
             lay, sh = cost.layers[i], self.shard(i, fsdp, tensor)
-            # GPUs: the fused set; with microbatches JAX's list bounds the next one's stacks
-            saved = self._saved_bytes(i, remat, fsdp, tensor, rows, lay.in_loop and not staged
-                                      and self.profile.scan_keeps_fused and microbatches == 1,
-                                      sp, staged)
+            saved = self._saved_bytes(i, remat, fsdp, tensor, rows, False, sp, staged)
             act = self._saved_bytes(i, remat, fsdp, tensor, rows, True, sp) \
                 if not lay.in_loop else saved
             io = max(lay.boundary_bytes, lay.input_bytes) * rows / cost.rows
@@ -252,7 +249,8 @@ class Context:
             rematted = remat != "none" and {remat, "none"} <= set(lay.saved) \
                 and lay.saved[remat].bytes < lay.saved["none"].bytes
             regather = rematted or (lay.in_loop and not (custom and remat == "none"))
-            # (the pre code takes no input gradient: its backward reads no gathered weight)
+            # (Code before the first layer takes no input gradient: its backward reads no
+            # weight, and a lookup's gathered table is freed after the forward.)
             kept = 0.0 if regather or lay.kind == "pre" else sh.gather_wire
             # Time: the FLOPs the device runs (less what causal kernels skip) at the
             # achievable rate (weight matmuls at their width's, jaxmp.plan.gemm), plus the
@@ -283,8 +281,9 @@ class Context:
             # GPU's staged backward a forward's row all-reduces again, but that was the judge
             # counting the folded last chunk's forward twice, §7 "Stop 30".)
             n_all_reduce = row + backward + (max(0, row - 1) if recomputes_all else 0)
-            # A vocab-split lookup's all-reduce sums the table's rows before the cast to the
-            # compute dtype: in the table's dtype (the step's 16-bit copy if fsdp makes one).
+            # An embedding lookup's all-reduce (row-parallel on a vocab-split table) sums the
+            # table's rows before the cast to the compute dtype: in the table's dtype (the
+            # step's 16-bit copy where fsdp makes one: sh.cast).
             wide = sh.row_itemsize / lay.act_itemsize if lay.kind == "pre" and row \
                 and not self.profile.upcasts_16bit and not sh.cast else 1.0
             tensor_bytes = n_all_reduce * 2 * (tensor - 1) / tensor * io * max(1.0, wide) \

@@ -30,7 +30,7 @@ from jaxmp.plan.shard import LayerShard, resolve_shard
 from jaxmp.plan.divisor import saved_divisor
 from jaxmp.plan.gemm import compute_seconds
 from jaxmp.plan.links import link_bw
-from jaxmp.plan.lookup import lookup_gradient
+from jaxmp.plan.lookup import lookup_wire_bytes
 from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
                                reduction)
 from jaxmp.plan.master import itemsize, master_weights_of
@@ -294,8 +294,8 @@ class Context:
             gathers = 0.0 if self.tied[i] else 2.0 if regather else 1.0
             reduce_wire, grad_held = sh.reduce_wire, sh.reduce_wire
             if lay.kind == "pre" and cost.sharded_lookup and not staged:  # (ticks: pipeline.py)
-                wire, grad_held = lookup_gradient(sh.local, fsdp, io, rows, cost.seq_len)
-                reduce_wire = wire * fsdp / (fsdp - 1) if fsdp > 1 else 0.0
+                wire, grad_held = lookup_wire_bytes(fsdp, io, rows * cost.seq_len), sh.local
+                reduce_wire = wire * fsdp / (fsdp - 1) if fsdp > 1 else 0.0  # as full-size
             fsdp_bytes = (fsdp - 1) / fsdp * (gathers * sh.gather_wire + reduce_wire
                                               + 2 * sh.unsharded_fsdp) if fsdp > 1 else 0.0
             first_gather = (fsdp - 1) / fsdp * sh.gather_wire if fsdp > 1 else 0.0

@@ -8,13 +8,10 @@ from __future__ import annotations
 IDS_ITEMSIZE = 4  # token ids are gathered as int32
 
 
-def lookup_gradient(local: float, fsdp: int, stream_grad: float, rows: float,
-                    seq_len: int) -> tuple[float, float]:
-    """``(wire bytes, held bytes)`` of a sharded lookup's gradient on one device: the
-    all-to-all of its ``stream_grad`` bytes and the gather of ``rows`` x ``seq_len`` token ids
-    over ``fsdp``, and the gradient it accumulates (the table's ``local`` shard). Replaces
-    the table's reduce-scatter and its full-size gradient."""
+def lookup_wire_bytes(fsdp: int, stream_grad: float, tokens: float) -> float:
+    """Bytes one device sends for a sharded lookup's gradient per microbatch: the all-to-all
+    of its ``stream_grad`` bytes and the gather of its ``tokens`` ids over ``fsdp``. (Its
+    gradient is the table's own shard: no table-sized one, no reduce-scatter of it.)"""
     if fsdp <= 1:
-        return 0.0, local
-    ids = IDS_ITEMSIZE * rows * seq_len
-    return (fsdp - 1) / fsdp * stream_grad + (fsdp - 1) * ids, local
+        return 0.0
+    return (fsdp - 1) / fsdp * stream_grad + (fsdp - 1) * IDS_ITEMSIZE * tokens

@@ -35,7 +35,7 @@ from jaxmp.pipeline.schedule import Schedule
 from jaxmp.pipeline.stages import StageSplit
 from jaxmp.plan.context import Context, zero_divisor
 from jaxmp.plan.layout import Layout
-from jaxmp.plan.lookup import lookup_gradient
+from jaxmp.plan.lookup import lookup_wire_bytes
 from jaxmp.plan.master import master_terms
 from jaxmp.plan.prediction import STEP_STATE_BYTES, Prediction
 from jaxmp.plan.update import update_terms
@@ -115,8 +115,8 @@ def _terms(ctx: Context, remat: str, data: int, fsdp: int, tensor: int,
             # the stream's gradient to the table's embed shards and the ids are gathered over
             # fsdp once per step (each microbatch's share here), beside the table's gradient
             # reduce-scattered with the chunk's (measured: docs/planner.md §7 "Stop 33").
-            ids = ctx.cost.rows * ctx.cost.seq_len / (data * fsdp * microbatches)
-            per_microbatch[0] += lookup_gradient(0.0, fsdp, boundary, ids, 1)[0]
+            tokens = ctx.cost.rows * ctx.cost.seq_len / (data * fsdp * microbatches)
+            per_microbatch[0] += lookup_wire_bytes(fsdp, boundary, tokens)
         prefix = {name: table.prefix(name) for name in _SUMMED}
         prefix["fsdp_bytes"] = np.concatenate([[0.0], np.cumsum(per_microbatch)])
         return _Terms(table.row(lo), float(table.saved[:lo].sum()),

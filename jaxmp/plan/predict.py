@@ -198,8 +198,9 @@ def data_reduction_bytes(ctx: Context, layout: Layout, table: LayerTable, m: Mas
     matrix's gradient is reduced where the partitioner places it: at its weight-gradient
     matmul, in that matmul's output dtype — the compute dtype (bf16 on GPUs, measured with
     ``--verify --aot``, docs/planner.md §7) — and cast to the parameter's dtype after; the
-    embedding lookup's scatter and vectors stay in the parameter's dtype. With a float32
-    master of 16-bit params, :meth:`~jaxmp.plan.master.MasterTerms.data_factor` says it."""
+    lookup's scatter (but in the step's 16-bit copy where fsdp makes one) and vectors stay in
+    the parameter's dtype. With a float32 master of 16-bit params,
+    :meth:`~jaxmp.plan.master.MasterTerms.data_factor` says it."""
     data = layout.sizes["data"]
     if m.copy:
         return ctx.grad_bytes_factor * m.data_factor(microbatches, zero) * (data - 1) / data \

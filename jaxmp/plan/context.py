@@ -120,7 +120,8 @@ class Context:
         # A head with tied embeddings reads the embedding's weights: one copy on one stage.
         # Blocks' tensor collectives under SP as rings where the backend overlaps (sharding.ring)
         self.rings = cost.tensor_rings in (True, "auto") and profile.overlap
-        self.blocks = np.array([lay.kind == "block" for lay in cost.layers])
+        self.kinds = np.array([lay.kind for lay in layers])  # "pre" / "layer" / "block" / "post"
+        self.blocks = self.kinds == "block"
         self.tied = np.array([lay.kind == "post" and bool(lay.params)
                               and all(leaf.path in pre for leaf in lay.params) for lay in layers])
         self.span = stack_span([lay.kind for lay in layers],
@@ -189,15 +190,19 @@ class Context:
                                      split)
         return const + per_row * rows
 
+    def head_gradient(self, i: int, rows: float, fsdp: int, tensor: int, sp: bool) -> float:
+        """The head's (layer ``i``'s) output gradient at ``rows``: its logits (plan.head)."""
+        return self.cached(("head", rows, fsdp, tensor, sp), lambda: self.cost.layers[
+            i].largest_value(rows, self.divisor(i, fsdp, tensor, sp), self.profile.upcasts_16bit))
+
     def _transient(self, i: int, remat: str, fsdp: int, tensor: int, rows: float,
                    io: float, sp: bool = False) -> float:
         """Peak extra bytes of layer i's backward pass at ``rows`` (jaxmp.cost.liveness)."""
         lay = self.cost.layers[i]
         if remat not in lay.transient:  # the root's code: its gradients mirror what it keeps,
-            # less (GPUs) the head's loss gradient, written over the logits (jaxmp.plan.head)
-            in_place = lay.largest_value(rows, self.divisor(i, fsdp, tensor, sp),
-                                         self.profile.upcasts_16bit) \
-                if self.profile.holds_head_gradient and lay.kind == "post" else 0.0
+            # less (GPUs) the loss gradient written over the logits (jaxmp.plan.head)
+            in_place = self.head_gradient(i, rows, fsdp, tensor, sp) if lay.kind == "post" \
+                and self.profile.holds_head_gradient else 0.0
             return 2 * io + self._saved_bytes(i, remat, fsdp, tensor, rows, True, sp) - in_place
         div = self.divisor(i, fsdp, tensor, sp)
         # With the sequence split, a matmul's activation operands and results stay whole
@@ -249,8 +254,7 @@ class Context:
             rematted = remat != "none" and {remat, "none"} <= set(lay.saved) \
                 and lay.saved[remat].bytes < lay.saved["none"].bytes
             regather = rematted or (lay.in_loop and not (custom and remat == "none"))
-            # (Code before the first layer takes no input gradient: its backward reads no
-            # weight, and a lookup's gathered table is freed after the forward.)
+            # (the pre code takes no input gradient: its backward reads no gathered weight)
             kept = 0.0 if regather or lay.kind == "pre" else sh.gather_wire
             # Time: the FLOPs the device runs (less what causal kernels skip) at the
             # achievable rate (weight matmuls at their width's, jaxmp.plan.gemm), plus the
@@ -281,9 +285,8 @@ class Context:
             # GPU's staged backward a forward's row all-reduces again, but that was the judge
             # counting the folded last chunk's forward twice, §7 "Stop 30".)
             n_all_reduce = row + backward + (max(0, row - 1) if recomputes_all else 0)
-            # An embedding lookup's all-reduce (row-parallel on a vocab-split table) sums the
-            # table's rows before the cast to the compute dtype: in the table's dtype (the
-            # step's 16-bit copy where fsdp makes one: sh.cast).
+            # A vocab-split lookup's all-reduce sums the table's rows before the cast to the
+            # compute dtype: in the table's dtype (the step's 16-bit copy if fsdp makes one).
             wide = sh.row_itemsize / lay.act_itemsize if lay.kind == "pre" and row \
                 and not self.profile.upcasts_16bit and not sh.cast else 1.0
             tensor_bytes = n_all_reduce * 2 * (tensor - 1) / tensor * io * max(1.0, wide) \
@@ -292,15 +295,13 @@ class Context:
                                            reassociates=self.profile.reassociates_all_reduce)
             # A tied head computes with the table the lookup gathered: no gather of its own.
             gathers = 0.0 if self.tied[i] else 2.0 if regather else 1.0
-            reduce_wire, grad_held = sh.reduce_wire, sh.reduce_wire
+            reduced, grad_held = (fsdp - 1) / fsdp * sh.reduce_wire, sh.reduce_wire
             if lay.kind == "pre" and cost.sharded_lookup and not staged:  # (ticks: pipeline.py)
-                wire, grad_held = lookup_wire_bytes(fsdp, io, rows * cost.seq_len), sh.local
-                reduce_wire = wire * fsdp / (fsdp - 1) if fsdp > 1 else 0.0  # as full-size
-            fsdp_bytes = (fsdp - 1) / fsdp * (gathers * sh.gather_wire + reduce_wire
-                                              + 2 * sh.unsharded_fsdp) if fsdp > 1 else 0.0
+                reduced, grad_held = lookup_wire_bytes(fsdp, io, rows * cost.seq_len), sh.local
+            fsdp_bytes = (fsdp - 1) / fsdp * (gathers * sh.gather_wire + 2 * sh.unsharded_fsdp) \
+                + reduced if fsdp > 1 else 0.0
             first_gather = (fsdp - 1) / fsdp * sh.gather_wire if fsdp > 1 else 0.0
-            # The backward pass of a layer holds its gathered weights and their gradients at
-            # full size (in the wire dtypes) beside its own live values.
+            # A layer's backward holds its gathered weights and their gradients whole (wire dtypes)
             per_group.append((act + kept, saved,
                               transient + grad_held + (sh.gather_wire if regather else 0.0),
                               transient, seconds + tensor_bytes / bw_tensor,
@@ -344,9 +345,10 @@ class Context:
         (:func:`jaxmp.plan.sequence.choices`); "auto" leaves it off inside pipeline stages on
         a compiler whose tick loop sends more than is modelled there
         (``DeviceProfile.sequence_parallel_in_stages``: the tiny GPT on 64 × H100 at stage 2
-        × tensor 4, peak +42 % and bytes +12.5 % over the prediction, docs/planner.md §7). Inside a gradient
-        accumulation loop it is kept and predicted like one microbatch's (the loop carries its
-        microbatch: jaxmp.train.step). An explicit ``true`` is built and predicted."""
+        × tensor 4, peak +42 % and bytes +12.5 % over the prediction, docs/planner.md §7).
+        Inside a gradient accumulation loop it is kept and predicted like one microbatch's (the
+        loop carries its microbatch: jaxmp.train.step). An explicit ``true`` is built and
+        predicted."""
         fsdp, tensor = int(sizes.get("fsdp", 1)), int(sizes.get("tensor", 1))
         every = all(self.shard(i, fsdp, tensor).tensor_weights
                     == self.shard(i, fsdp, tensor).n_matrices

@@ -21,16 +21,12 @@ def held_below_head(ctx: Context, data: int, fsdp: int, tensor: int, microbatche
                     sp: bool = False) -> np.ndarray:
     """Per layer: the bytes of the head's output gradient live during that layer's backward
     (every layer below the head) where the profile holds it (GPUs); zeros elsewhere."""
-    kinds = [lay.kind for lay in ctx.cost.layers]
-    below = np.zeros(len(kinds))
-    if not ctx.profile.holds_head_gradient or "post" not in kinds:
+    below = np.zeros(len(ctx.kinds))
+    if not ctx.profile.holds_head_gradient or "post" not in ctx.kinds:
         return below
-    post = kinds.index("post")
+    post = int(np.flatnonzero(ctx.kinds == "post")[0])
     rows = ctx.cost.rows / (data * fsdp * microbatches)
-    # once per mesh and microbatch count: predict runs for every candidate layout
-    below[:post] = ctx.cached(("head", rows, fsdp, tensor, sp), lambda: ctx.cost.layers[
-        post].largest_value(rows, ctx.divisor(post, fsdp, tensor, sp),
-                            ctx.profile.upcasts_16bit))
+    below[:post] = ctx.head_gradient(post, rows, fsdp, tensor, sp)
     return below
 
 
@@ -38,7 +34,5 @@ def deferred_head_grads(ctx: Context, grads: np.ndarray, held: np.ndarray) -> np
     """Per layer: the head's weight-gradient bytes (of ``grads``, a layer table's) that are
     not yet made during that layer's backward: where ``held`` (:func:`held_below_head`) holds
     the output gradient in their place."""
-    kinds = [lay.kind for lay in ctx.cost.layers]
-    if "post" not in kinds:
-        return np.zeros(len(kinds))
-    return np.where(held > 0, grads[kinds.index("post")], 0.0)
+    post = ctx.kinds == "post"
+    return np.where(held > 0, grads[post].sum(), 0.0)

@@ -212,8 +212,7 @@ def data_reduction_bytes(ctx: Context, layout: Layout, table: LayerTable, m: Mas
         local = local - table.matrices * (1 - 2 / 4)  # float32 master weights, 16-bit grads
         if ctx.cost.sharded_lookup:  # its gradient comes in the dtype of the step's 16-bit
             # copy of the table, where fsdp makes one (jaxmp.models.lookup)
-            pre = np.array([lay.kind == "pre" for lay in ctx.cost.layers])
-            local = np.where(pre & (table.cast > 0), table.cast, local)
+            local = np.where((ctx.kinds == "pre") & (table.cast > 0), table.cast, local)
     return ctx.grad_bytes_factor * 2 * (data - 1) / data * local
 
 

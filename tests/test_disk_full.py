@@ -79,5 +79,6 @@ def test_a_write_that_fails_half_way_is_one_line_and_leaves_nothing_partial(tmp_
     assert len(lines) == 1 and lines[0].startswith(
         "jaxmp: failed: saving checkpoint step 2 in "), r.stderr[-3000:]
     assert "File too large (errno 27); the partial save was removed" in lines[0]
+    assert "Traceback" not in r.stderr and "never retrieved" not in r.stderr, r.stderr[-3000:]
     assert [s for s in list_steps(tmp_path / "run")] == []
     _whole_run_files(tmp_path / "run")

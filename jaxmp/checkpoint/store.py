@@ -24,13 +24,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxmp.checkpoint import checksum
+from jaxmp.checkpoint.orphans import TMP_MARK, quiet_failed_save_leftovers
 from jaxmp.checkpoint import records as tree
 from jaxmp.checkpoint.records import nest
 from jaxmp.errors import CheckpointError, DamagedCheckpoint
 
 FORMAT = "jaxmp.checkpoint/1"
 COMMIT_FILE = "commit_success.txt"  # Orbax's marker, written just before the final rename
-TMP_MARK = ".orbax-checkpoint-tmp"
 REQUIRED_ITEMS = ("state", "meta")
 # Orbax compresses array chunks with zstd by default. Float weights barely compress (~8%: only
 # the exponent bits) while zstd halved save and restore throughput on the CI box
@@ -353,6 +353,7 @@ def open_manager(ckdir: Path, *, keep: int, keep_period: int = 0, async_save: bo
     for item in ("meta", "run", "data"):
         registry.add(item, ocp.args.JsonSave)
         registry.add(item, ocp.args.JsonRestore)
+    quiet_failed_save_leftovers()  # after a failed async write: one error line, not 300
     return ocp.CheckpointManager(ckdir.absolute(), options=options, handler_registry=registry)
 
 

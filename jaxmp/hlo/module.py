@@ -137,7 +137,7 @@ class HloModule:
             return v[1][k] if v and v[0] == "t" and k < len(v[1]) else None
         if op == "tuple":
             return ("t", [sub(i) for i in range(len(ins.operands))])
-        if op in ("copy", "convert", "bitcast", "reshape") and ins.operands:
+        if op in ("copy", "convert", "bitcast", "reshape", "opt-barrier") and ins.operands:
             return sub(0)
         if op in ("fusion", "call") and ins.callees:
             callee = ins.callees[0][1]
@@ -162,15 +162,26 @@ class HloModule:
         if not c or c[0] != "cmp" or None in c[2:]:
             return None
         _, d, a, b = c
+        state = self.eval(comp, ins.operands[0][0], None) if ins.operands else None
+        start = state[1] if state and state[0] == "t" else []
+        root = self.eval(body, self.roots.get(body, ""), {0: _LOOP}) if body else None
+        updated = root[1] if root and root[0] == "t" else []
+
+        def invariant(v: Any) -> Any:  # a bound the loop carries unchanged: its start value
+            if v and v[0] == "i" and v[1] < min(len(start), len(updated)) and \
+                    updated[v[1]] == v and start[v[1]] and start[v[1]][0] == "c":
+                return start[v[1]]
+            return v
+
+        if a[0] == "i" and b[0] == "i":  # i < N with N carried (e.g. behind a barrier)
+            a, b = (a, invariant(b)) if invariant(b)[0] == "c" else (invariant(a), b)
         if a[0] == "c" and b[0] == "i":
             a, b, d = b, a, _FLIP.get(d, d)
         if a[0] != "i" or b[0] != "c":
             return None
         k, limit = a[1], b[1]
-        init = self.eval(comp, ins.operands[0][0], None) if ins.operands else None
-        init = init[1][k] if init and init[0] == "t" and k < len(init[1]) else None
-        upd = self.eval(body, self.roots.get(body, ""), {0: _LOOP}) if body else None
-        upd = upd[1][k] if upd and upd[0] == "t" and k < len(upd[1]) else None
+        init = start[k] if k < len(start) else None
+        upd = updated[k] if k < len(updated) else None
         step = None
         if upd and upd[0] in ("add", "subtract") and ("i", k) in upd[1:]:
             other = upd[2] if upd[1] == ("i", k) else upd[1]

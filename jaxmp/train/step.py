@@ -139,23 +139,26 @@ def make_grad_fn(layout: StateLayout, loss_fn: LossFn, grad_accum: int = 1,
 
 def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, key: jax.Array,
                 k: int, micro_into: Callable | None = None) -> tuple:
-    """Sum weighted losses and gradients over k microbatches with ``lax.scan``.
+    """Sum weighted losses and gradients over k microbatches in one loop.
 
     Microbatch j takes rows j, j+k, j+2k, ... so that every device keeps contributing to every
     microbatch (the batch dim is sharded in contiguous blocks). ``micro_into`` (the sum in,
     the sum out) adds inside the backward pass instead of after it.
 
+    The loop's trip count is hidden from XLA (its bound passes an optimization barrier). Why:
+    XLA's GPU double-buffering unrolls every loop of known trip count that holds a collective
+    (jaxmp turns it on for the layer loops' sake) and peels an iteration of this one; the
+    scheduler then made the peeled microbatch's residual stacks (their zero-filled buffers)
+    before the loop, live through every other microbatch: float32, 4 layers, seq 2048 on
+    deviceless H200s, 2 microbatches took 8.0 GiB against 5.4 GiB for one (docs/planner.md
+    §7 "Stop 34"). With no known trip count the loop stays one microbatch deep; nothing is
+    pipelined across its iterations either.
+
     Each iteration's microbatch arrives in the loop's carry (sliced one iteration ahead), not
-    as the scan's per-iteration input. Why: XLA's GPU collective pipeliner (backward, on with
-    ``--xla_gpu_enable_pipelined_all_gather``, which jaxmp sets for fsdp's layer loops) moves an
-    all-gather to the previous iteration when its operand depends only on the loop's
-    invariants and the iteration's slice of an input — which, in this loop, every activation
-    does. With sequence parallelism it took the head's gather of the final hidden state: the
-    whole forward of the next microbatch ran a second time in each iteration to feed it, and
-    the gathered ``[batch, seq, embed]`` stream rode in the carry (gpt-1b, tensor 8, 4
-    microbatches on deviceless H100s: peak 29.9 GiB, +47 % collective bytes; with the carry
-    14.5 GiB, as one microbatch; docs/planner.md §7). A carried value is not loop-invariant,
-    so nothing that depends on the microbatch is pipelined across iterations.
+    as an input sliced by the iteration index: a carried value is not loop-invariant, so
+    XLA's collective pipeliner never moves work of the next microbatch into this iteration
+    (with sequence parallelism it once re-ran the whole forward of the next microbatch each
+    iteration to pipeline the head's gather: docs/planner.md §7).
     """
 
     def split(x: jax.Array) -> jax.Array:
@@ -172,8 +175,8 @@ def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, key: jax.A
         return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False),
                             micro_batches)
 
-    def body(carry: tuple, j: jax.Array) -> tuple:
-        loss_sum, w_sum, g_sum, rest, mb = carry
+    def one(j: jax.Array, loss_sum: jax.Array, w_sum: jax.Array, g_sum: Any, rest: Any,
+            mb: dict) -> tuple:
         upcoming = pick(jnp.minimum(j + 1, k - 1))  # the next iteration's (the last: again)
         mb_key = jax.random.fold_in(key, j)
         if micro_into is not None:
@@ -183,9 +186,21 @@ def _accumulate(micro: Callable, params: Any, rest: Any, batch: dict, key: jax.A
             g_sum = jax.tree.map(jnp.add, g_sum, grads)
         return (loss_sum + wloss, w_sum + weight, g_sum, rest, upcoming), aux
 
-    init = (jnp.float32(0.0), jnp.float32(0.0), zeros, rest, pick(jnp.int32(0)))
-    (loss, weight, grads, rest, _), aux = jax.lax.scan(body, init, jnp.arange(k))
-    return loss, weight, grads, rest, jax.tree.map(lambda a: a.mean(0), aux)
+    first = (jnp.float32(0.0), jnp.float32(0.0), zeros, rest, pick(jnp.int32(0)))
+    aux_type = jax.eval_shape(lambda: one(jnp.int32(0), *first)[1])
+    aux_zero = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_type)
+    stop = jax.lax.optimization_barrier(jnp.int32(k))  # k, unknown to XLA's loop passes
+
+    def body(carry: tuple) -> tuple:
+        j, state, aux_sum = carry
+        state, aux = one(j, *state)
+        return j + 1, state, jax.tree.map(lambda s, a: s + a.astype(s.dtype), aux_sum, aux)
+
+    _, (loss, weight, grads, rest, _), aux_sum = jax.lax.while_loop(
+        lambda carry: carry[0] < stop, body, (jnp.int32(0), first, aux_zero))
+    aux = jax.tree.map(lambda s, a: (s / k).astype(jnp.result_type(a.dtype, jnp.float32)),
+                       aux_sum, aux_type)
+    return loss, weight, grads, rest, aux
 
 
 def make_train_step(layout: StateLayout, loss_fn: LossFn, tx: optax.GradientTransformation,

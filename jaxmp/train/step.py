@@ -5,8 +5,8 @@ over (data, fsdp), activations are pinned by logical name inside the model (and,
 name none, by their batch dim at layer boundaries: :mod:`jaxmp.train.pinning`), and the outputs
 are pinned to the same shardings as the inputs, so GSPMD has no freedom to pick something worse.
 
-Gradient accumulation runs *inside* the step with ``lax.scan`` over k microbatches rather than
-with ``optax.MultiSteps``: no parameter-sized accumulator lives in the optimizer state between
+Gradient accumulation runs *inside* the step, a loop over k microbatches, rather than with
+``optax.MultiSteps``: no parameter-sized accumulator lives in the optimizer state between
 steps, and one host call still makes one update.
 
 Randomness: a loss that takes a third argument, ``loss_fn(model, batch, rngs)``, gets a fresh

@@ -6,6 +6,9 @@ One table for the model (which applies the policy with ``jax.checkpoint``) and t
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -23,6 +26,14 @@ PROJECTIONS = (QUERY, KEY, VALUE, ATTENTION_OUT, MLP_OUT)
 
 REMAT_POLICIES: dict[str, Any] = {
     "none": None,  # no jax.checkpoint at all: keep every residual
+    # Megatron's selective recomputation (Korthikanti et al. 2022): keep every residual but
+    # the attention core's (XLA's S x S scores, probabilities and masks), which the backward
+    # recomputes from the kept q, k, v (jaxmp.models.attention). Not a jax.checkpoint policy:
+    # an outer policy decides for nested checkpoints too, so the core is recomputed by its own
+    # VJP while :func:`checkpointed` traces the layer (:func:`recomputes_attention`). With
+    # cuDNN's flash attention (it keeps no scores) and for attention jaxmp does not run (a
+    # research model's own), it is "none".
+    "selective": None,
     # Keep the projections' outputs (matmuls without batch dims); recompute attention scores,
     # norms and activations, which are cheap in FLOPs but large in bytes.
     # The row projections' outputs by name as well: as ring collective matmuls
@@ -76,11 +87,47 @@ def keeps_all_but_constraints(prim: Any, *_: Any, **__: Any) -> bool:
     return prim.name != "sharding_constraint"
 
 
+def keeps_layer(remat: str) -> bool:
+    """Whether the policy re-runs none of the layer's matmuls in the backward pass ("none",
+    "selective"): its weights are not needed again for a recomputation."""
+    return REMAT_POLICIES.get(remat, 0) is None
+
+
+_RECOMPUTE_ATTENTION = contextvars.ContextVar("jaxmp_recompute_attention", default=False)
+
+
+def recomputes_attention() -> bool:
+    """True while a layer is traced under ``"selective"``: XLA's attention core then keeps
+    only its inputs for the backward pass."""
+    return _RECOMPUTE_ATTENTION.get()
+
+
+@contextlib.contextmanager
+def _recomputing() -> Iterator[None]:
+    token = _RECOMPUTE_ATTENTION.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTE_ATTENTION.reset(token)
+
+
+def recomputing_attention(fn: Callable) -> Callable:
+    """``fn``, traced with :func:`recomputes_attention` on."""
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        with _recomputing():
+            return fn(*args, **kwargs)
+
+    return traced
+
+
 def checkpointed(fn: Any, remat: str, *, scanned: bool = False, **kwargs: Any) -> Any:
     """``fn`` under the named policy (``"none"``: ``fn`` itself, or for a layer-scan body
-    (``scanned``) :func:`keeps_all_but_constraints`)."""
+    (``scanned``) :func:`keeps_all_but_constraints`; ``"selective"``: the same, its
+    attention core recomputed)."""
     if remat not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {remat!r}; known: {', '.join(REMAT_POLICIES)}")
-    if remat == "none":
+    if keeps_layer(remat):
+        fn = recomputing_attention(fn) if remat == "selective" else fn
         return jax.checkpoint(fn, policy=keeps_all_but_constraints, **kwargs) if scanned else fn
     return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], **kwargs)

@@ -132,6 +132,19 @@ def test_remat_policies_trade_memory_for_recompute(mid_cost):
     assert block.recompute_flops["full"] <= block.fwd_flops
 
 
+def test_selective_drops_the_attention_scores_and_recomputes_their_flops(mid_cost):
+    """XLA attention: "selective" keeps "none"'s residuals but the S × S arrays (B × heads ×
+    S × S each) and recomputes only the attention core's forward (its two batched matmuls,
+    2 × 2·B·heads·S²·head_dim FLOPs, and elementwise work)."""
+    block = mid_cost.layers[1]
+    none, selective, dots = (block.saved[p].bytes for p in ("none", "selective", "save_dots"))
+    scores = B * MID.heads * S * S * 4
+    assert dots < selective and none - selective >= 2 * scores  # two float32 S x S a layer
+    core = 2 * 2 * B * MID.heads * S * S * MID.head_dim
+    assert core <= block.recompute_flops["selective"] < block.recompute_flops["save_dots"]
+    assert block.staged["selective"].bytes < block.staged["none"].bytes
+
+
 def test_fusion_and_backward_working_set(mid_cost):
     block = mid_cost.layers[1]
     # Straight-line code keeps fewer activations than a scan materialises, never more.

@@ -212,6 +212,32 @@ def test_save_dots_except_mlp_in_shards_exactly_and_keeps_the_projections(capsys
         kept + wide)
 
 
+def test_selective_recomputes_only_the_attention_core(capsys):
+    """``"selective"`` (Megatron's selective recomputation): the same loss and gradients as no
+    remat (float32, data2×fsdp2×tensor2 against one device, GQA), and the blocks keep no S × S
+    array of XLA's attention (no remat keeps two float32 ones a layer, the softmax's row
+    statistics and the mask), only the core's inputs in their place."""
+    base = dataclasses.replace(TINY, kv_heads=2)
+    cfg = dataclasses.replace(base, remat="selective")
+    mesh = jaxmp.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    _assert_close(_loss_and_grads(cfg, mesh), _loss_and_grads(base))
+    batch = {k: jnp.asarray(v) for k, v in lm_batch().items()}
+    seq = batch["inputs"].shape[1]
+
+    def stacked(c):
+        graphdef, params = nnx.split(GPT(c, rngs=nnx.Rngs(0)))
+        saved = _saved_shapes(lambda p: lm_loss(nnx.merge(graphdef, p), batch)[0], params,
+                              capsys)
+        return sorted(a for a in saved if a[:1] == (c.layers,))
+
+    kept, everything = stacked(cfg), stacked(base)
+    scores = [a for a in everything if a[-2:] == (seq, seq)]
+    assert len(scores) >= 2 and not [a for a in kept if a[-2:] == (seq, seq)]
+    size = lambda shapes: sum(np.prod(a) for a in shapes)  # noqa: E731
+    assert size(everything) - size(kept) >= size(scores) - size([a for a in kept
+                                                                   if a not in everything])
+
+
 def test_research_layers_without_names_recompute_everything_under_a_name_policy(capsys):
     """Stock nnx.Linear names nothing: save_dots_except_mlp_in saves what "full" saves (the
     inputs alone) and computes the same gradients."""

@@ -115,10 +115,13 @@ CASES = {  # schedule, stages, microbatches, virtual, other axes, balance costs
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, "1f1b-2-tensor2-selective"])
 def test_pipelined_gradients_equal_one_device(case, reference):
+    """Each schedule's gradients equal one device's; "selective" (the stash keeps no S x S
+    attention array, the backward recomputes the core) too."""
     cfg, tx, ref_loss, ref_grads = reference
-    kind, p, m, v, axes, balance = CASES[case]
+    spec = dataclasses.replace(SPEC, remat="selective") if "selective" in case else SPEC
+    kind, p, m, v, axes, balance = CASES.get(case) or ("1f1b", 2, 4, 1, {"tensor": 2}, "flops")
     costs = [0.0] + [1.0] * cfg.layers + [2.5]  # a head worth 2.5 blocks: uneven by FLOPs
     split = split_layers(costs, p, v, balance)
     if balance == "flops":
@@ -128,7 +131,7 @@ def test_pipelined_gradients_equal_one_device(case, reference):
     layout = plan_state(gpt_fn(cfg), tx, mesh,
                         transform=lambda params: to_stages(params, SPEC, split))
     state = init_state(layout, gpt_fn(cfg), tx, 0)
-    grad_fn = PipelineExecutor(layout.graphdef, mesh, SPEC, Schedule(kind, p, m, v),
+    grad_fn = PipelineExecutor(layout.graphdef, mesh, spec, Schedule(kind, p, m, v),
                                split).grad_fn(sharding.DEFAULT_RULES)
     batch = lm_batch(batch=16)
     gbatch = jax.device_put(batch, batch_sharding(layout, sharding.DEFAULT_RULES, batch))

@@ -25,7 +25,7 @@ AxisSize = int | Literal["auto"]
 # The enumerations, declared once: each module that implements one reads its names from here
 # (e.g. ``jaxmp.pipeline.schedule.KINDS = SCHEDULES``), so a config value and the code that
 # runs it cannot disagree.
-RematPolicy = Literal["none", "save_dots", "save_dots_except_mlp_in", "full"]
+RematPolicy = Literal["none", "selective", "save_dots", "save_dots_except_mlp_in", "full"]
 AttentionKind = Literal["xla", "cudnn"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Balance = Literal["flops", "layers"]

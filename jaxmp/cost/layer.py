@@ -28,7 +28,7 @@ from jaxmp.cost.liveness import Timeline, backward_timeline
 from jaxmp.cost.trace import LayerCall
 from jaxmp.cost.traffic import count as count_traffic
 from jaxmp.cost.traffic import linear
-from jaxmp.remat import checkpointed, stash_keeps
+from jaxmp.remat import checkpointed, keeps_layer, recomputing_attention, stash_keeps
 
 @dataclass(frozen=True)
 class Saved:
@@ -128,10 +128,14 @@ def carried_input_bytes(call: LayerCall) -> float:
 def _vjp_program(call: LayerCall, policy: str, staged: bool = False
                  ) -> tuple[Callable, list[bool]]:
     """``run(params, rest, cts, *arrays) -> (out, grads, residuals)``: forward + backward under
-    ``policy`` (``staged``: under a pipeline stash's policy without remat). Cotangents are
-    inputs, not constants, so XLA cannot fold the backward away."""
+    ``policy`` (``staged``: under a pipeline stash's policy, "none" or "selective"). Cotangents
+    are inputs, not constants, so XLA cannot fold the backward away."""
     f, _, is_float = _layer_fn(call)
-    f = jax.checkpoint(f, policy=stash_keeps) if staged else checkpointed(f, policy)
+    if staged:  # as jaxmp.pipeline.chunk runs a block
+        f = recomputing_attention(f) if policy == "selective" else f
+        f = jax.checkpoint(f, policy=stash_keeps)
+    else:
+        f = checkpointed(f, policy)
     keep: list[bool] = []
 
     def run(params: Any, rest: Any, cts: list, *arrays: Any) -> Any:
@@ -226,11 +230,11 @@ def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[s
     for policy in policies:
         out["recompute"][policy] = max(0.0, totals[policy] - totals.get("none", totals[policy]))
     out["staged"] = {}
-    if "none" in policies:  # what a pipeline's stash keeps of it (jaxmp.remat.stash_keeps)
-        res = _residual_avals(call, "none", arrays, rows, staged=True, outputs=outputs)[1]
-        one = _residual_avals(call, "none", one_row, 1, staged=True,
+    for policy in (p for p in policies if keeps_layer(p)):  # what a pipeline's stash keeps
+        res = _residual_avals(call, policy, arrays, rows, staged=True, outputs=outputs)[1]
+        one = _residual_avals(call, policy, one_row, 1, staged=True,
                               outputs=outputs_one)[1] if rows > 1 else None
-        out["staged"]["none"] = saved_from(res, one, rows)
+        out["staged"][policy] = saved_from(res, one, rows)
     out["probe"] = (_layer_fn(call)[0], _vjp_program(call, "none")[0],
                     (call.params, call.rest, _cotangents(outputs), *arrays))
     return out

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxmp.config import ATTENTION_KINDS
 from jaxmp.errors import ConfigError
+from jaxmp.remat import recomputes_attention
 from jaxmp.sharding.activations import local, local_specs
 
 SETTINGS = ("auto", *ATTENTION_KINDS)
@@ -105,9 +106,30 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str) -> jax
     on local arrays (see :data:`QUERY_NAMES`), so it also runs inside the pipeline's and the
     gradient reducer's shard_maps; XLA's is partitioned by XLA as before."""
     call = partial(jax.nn.dot_product_attention, is_causal=True, implementation=implementation)
-    if implementation != "cudnn":
+    if implementation == "cudnn":
+        return attend_locally(call, q, k, v)
+    if recomputes_attention():  # model.remat = "selective"
+        return _recomputed(call)(q, k, v)
+    return call(q, k, v)
+
+
+def _recomputed(call: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """``call`` whose backward pass recomputes it from its inputs: the forward keeps only
+    ``q, k, v`` (an enclosing checkpoint's policy cannot make it keep the S x S arrays: they
+    never leave this VJP), as flash attention does and Megatron's selective recomputation."""
+
+    @jax.custom_vjp
+    def core(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         return call(q, k, v)
-    return attend_locally(call, q, k, v)
+
+    def forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple:
+        return call(q, k, v), (q, k, v)
+
+    def backward(inputs: tuple, grad: jax.Array) -> tuple:
+        return jax.vjp(call, *inputs)[1](grad)
+
+    core.defvjp(forward, backward)
+    return core
 
 
 def attend_locally(call: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxmp.remat import REMAT_POLICIES, stash_keeps
+from jaxmp.remat import REMAT_POLICIES, keeps_layer, stash_keeps
 
 BLOCK_INPUT = "jaxmp_pipeline_block_input"  # the checkpoint_name of each block's input
 _SAVEABLE_ARGS = "saveable_args" in inspect.signature(jax.vjp).parameters
@@ -40,7 +40,7 @@ def stash_policy(remat: str) -> Callable:
     :func:`jaxmp.remat.stash_keeps`. With a remat policy, that policy plus each block's input:
     an outer policy decides for the nested blocks too, so saving more here would undo the
     blocks' remat."""
-    if remat == "none":
+    if keeps_layer(remat):  # "none", "selective" (its attention core recomputed by its VJP)
         return stash_keeps
     return jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.save_only_these_names(BLOCK_INPUT), REMAT_POLICIES[remat])

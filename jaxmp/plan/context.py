@@ -34,6 +34,7 @@ from jaxmp.plan.lookup import lookup_wire_bytes
 from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
                                reduction)
 from jaxmp.plan.master import itemsize, master_weights_of
+from jaxmp.remat import keeps_layer
 from jaxmp.sharding.optimizer import data_dim
 from jaxmp.sharding.sequence import SEQ
 
@@ -246,14 +247,13 @@ class Context:
             if self.profile.upcasts_16bit and lay.act_itemsize == 2:
                 io *= 2
             transient = self._transient(i, remat, fsdp, tensor, rows, io, sp)
-            # Outside a loop an fsdp-gathered weight is gathered once and kept for the
-            # backward pass, unless remat recomputes the layer (then it is gathered again;
-            # a policy recomputes a layer when it saves less than without one). Inside a
-            # loop it is gathered again, unless jaxmp gathers it (custom) without remat: then
-            # the scan keeps the gathered copy as a residual.
-            rematted = remat != "none" and {remat, "none"} <= set(lay.saved) \
+            # Outside a loop an fsdp-gathered weight is gathered once and kept for the backward
+            # pass, unless remat re-runs the layer's matmuls (saving less than without one; not
+            # "selective"): then it is gathered again. Inside a loop it is gathered again, unless
+            # jaxmp gathers it (custom) without remat: the scan keeps the gathered copy.
+            rematted = not keeps_layer(remat) and {remat, "none"} <= set(lay.saved) \
                 and lay.saved[remat].bytes < lay.saved["none"].bytes
-            regather = rematted or (lay.in_loop and not (custom and remat == "none"))
+            regather = rematted or (lay.in_loop and not (custom and keeps_layer(remat)))
             # (the pre code takes no input gradient: its backward reads no gathered weight)
             kept = 0.0 if regather or lay.kind == "pre" else sh.gather_wire
             # Time: the FLOPs the device runs (less what causal kernels skip) at the

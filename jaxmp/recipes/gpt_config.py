@@ -39,7 +39,8 @@ class ModelConfig(Section):
     activation: Literal["gelu", "swiglu"] = "gelu"  # the MLP's (swiglu: Llama's gated MLP)
     tie_embeddings: bool = True  # the output head reuses the token embedding
     scan_layers: bool = True  # one compiled block body under lax.scan (fast compiles)
-    # what the backward pass recomputes instead of storing (save_dots: keep the matmul
+    # what the backward pass recomputes instead of storing (selective: only XLA attention's
+    # S x S scores, as Megatron's selective recomputation; save_dots: keep the matmul
     # outputs; save_dots_except_mlp_in: those but the MLP's wide inputs, as MaxText's
     # save_dot_except_mlpwi; full: keep the layer inputs only); "auto": the plan's choice
     remat: Literal["auto", RematPolicy] = "none"

@@ -36,11 +36,13 @@ def test_published_layout_fits(evaluation, request):
                       for a in ("data", "stage", "fsdp", "tensor")}
 
 
-def test_chosen_plan_fits_and_is_no_slower(evaluation):
+def test_chosen_plan_fits_and_is_no_slower(evaluation, request):
     """No slower than the published layout where that fits (a layout that does not fit is
     not one the planner may choose)."""
     p, g = evaluation.plan, evaluation.given
     assert p.fits and p.runnable
+    if evaluation.run.xfail_choice:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=evaluation.run.xfail_choice))
     if g.fits:
         assert p.predicted.step_time_s <= g.predicted.step_time_s * (1 + 1e-9)
 

@@ -14,7 +14,7 @@ import pytest
 from jaxmp.devices import PROFILES
 from jaxmp.recipes.gpt import gpt_costs, gpt_plan
 from jaxmp.recipes.gpt_config import load_config
-from jaxmp.recipes.published import GPT3_175B, RUNS
+from jaxmp.recipes.published import BF16_RATE, GPT3_175B, RUNS
 from jaxmp.recipes.published import evaluate as _evaluate
 
 evaluate = functools.lru_cache(maxsize=None)(_evaluate)
@@ -49,7 +49,7 @@ def test_chosen_plan_fits_and_is_no_slower(evaluation, request):
 
 def test_published_step_time(evaluation, request):
     run = evaluation.run
-    if run.precision != "bf16":
+    if run.precision not in BF16_RATE:
         pytest.skip(f"published at {run.precision}: jaxmp predicts bfloat16 step times")
     if run.xfail_time:
         request.applymarker(pytest.mark.xfail(strict=True, reason=run.xfail_time))

@@ -1,0 +1,62 @@
+"""A second research model (examples/research_scan_lm.py): nnx.vmap/nnx.scan-stacked Llama
+blocks, GQA through ``jax.nn.dot_product_attention``, RMSNorm, SwiGLU, tied embeddings via
+``nnx.Embed.attend``, parameters named in the model's own names. Through jaxmp.Trainer a sharded
+run equals one device in float32 — loss, gradients and the params after 3 steps — on fsdp,
+tensor, data and data×fsdp×tensor meshes, with ZeRO-1 and with sequence parallelism.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jaxmp
+from jaxmp.checkpoint.records import flat_paths
+
+QUIET = ["checkpoint.enabled=false", "logging.progress=false", "logging.tensorboard=false",
+         "logging.every=1", "optimizer.eps=1e-4"]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    import research_scan_lm
+
+    return research_scan_lm
+
+
+def _trainer(lm, mesh: dict, devices=None, extra=()) -> jaxmp.Trainer:
+    axes = [f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "stage", "fsdp", "tensor")]
+    return lm.make_trainer(lm.make_config(3, [*axes, *QUIET, *extra]), "/tmp/unused",
+                           devices=devices)
+
+
+def _run(trainer: jaxmp.Trainer) -> tuple[list[float], dict]:
+    """The losses of 3 steps and the params after them, gathered to host."""
+    trainer.fit()
+    params = jax.tree.map(np.asarray, trainer.state.params)
+    return [r["loss"] for r in trainer.history], dict(zip(flat_paths(params),
+                                                          jax.tree.leaves(params)))
+
+
+@pytest.fixture(scope="module")
+def one_device(lm):
+    return _run(_trainer(lm, {}, devices=jax.devices()[:1]))
+
+
+@pytest.mark.parametrize("mesh,extra", [
+    ({"fsdp": 8}, ()),
+    ({"tensor": 8}, ()),
+    ({"data": 8}, ("train.optimizer_sharding=data",)),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, ()),
+    ({"data": 2, "fsdp": 2, "tensor": 2}, ("train.sequence_parallel=true",
+                                           "train.optimizer_sharding=data")),
+], ids=["fsdp8", "tensor8", "data8-zero1", "d2f2t2", "d2f2t2-sp-zero1"])
+def test_three_steps_equal_one_device(lm, one_device, mesh, extra):
+    losses, params = _run(_trainer(lm, mesh, extra=extra))
+    ref_losses, ref_params = one_device
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert params.keys() == ref_params.keys()
+    for path, p in params.items():
+        r = ref_params[path]
+        np.testing.assert_allclose(p, r, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(r).max()),
+                                   err_msg=path)

@@ -60,3 +60,15 @@ def test_three_steps_equal_one_device(lm, one_device, mesh, extra):
         r = ref_params[path]
         np.testing.assert_allclose(p, r, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(r).max()),
                                    err_msg=path)
+
+
+def test_lint_is_quiet_on_stacked_biasless_layers(lm):
+    """Scanned (stacked) kernels without biases: balanced, nothing to warn about."""
+    from flax import nnx
+
+    from jaxmp import rules
+
+    model = rules.abstract(lambda: lm.ScanLM(nnx.Rngs(0)))
+    for mesh in ({"tensor": 8}, {"fsdp": 4, "tensor": 2}):
+        report = rules.lint(model, jaxmp.make_mesh(mesh), rules=lm.RULES)
+        assert report.shard_ratio <= 1.1 and report.warning() is None, report.warning()

@@ -9,8 +9,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxmp
+from jaxmp import rules
 from jaxmp.checkpoint.records import flat_paths
 
 QUIET = ["checkpoint.enabled=false", "logging.progress=false", "logging.tensorboard=false",
@@ -64,10 +66,6 @@ def test_three_steps_equal_one_device(lm, one_device, mesh, extra):
 
 def test_lint_is_quiet_on_stacked_biasless_layers(lm):
     """Scanned (stacked) kernels without biases: balanced, nothing to warn about."""
-    from flax import nnx
-
-    from jaxmp import rules
-
     model = rules.abstract(lambda: lm.ScanLM(nnx.Rngs(0)))
     for mesh in ({"tensor": 8}, {"fsdp": 4, "tensor": 2}):
         report = rules.lint(model, jaxmp.make_mesh(mesh), rules=lm.RULES)

@@ -69,6 +69,20 @@ def test_mesh_axis_names_in_metadata_shard(lm):
     assert jax.sharding.PartitionSpec("fsdp", "tensor") in specs
 
 
+def test_lint_names_the_out_bias_split_over_tensor(lm):
+    """nnx.MultiHeadAttention hands its one bias_init to the out projection too: the out bias
+    ([embed]) is named "kv" like the q/k/v biases, RULES split it over tensor while its kernel
+    leaves embed whole, and XLA keeps the residual split (Stop 32). Lint names it in one line;
+    biases named after their kernel (up, down) and fsdp-split ones (gathered) are not flagged."""
+    model = rules.abstract(lambda: lm.TransformerLM(nnx.Rngs(0)))
+    report = rules.lint(model, jaxmp.make_mesh({"tensor": 8}), rules=lm.RULES)
+    assert [b.path for b in report.split_biases] == [f"blocks/{i}/attn/out/bias" for i in (0, 1)]
+    assert report.split_biases[0].mesh_axes == ("tensor",)
+    assert "blocks/0/attn/out/bias is split over tensor on dim 0 by rule ('kv' -> tensor)" \
+        in report.warning()
+    assert rules.lint(model, jaxmp.make_mesh({"fsdp": 8}), rules=lm.RULES).warning() is None
+
+
 @pytest.fixture(scope="module")
 def one_device_step(lm):
     t = _trainer(lm, {}, devices=jax.devices()[:1])

@@ -441,3 +441,26 @@ def test_local_runs_an_op_on_local_arrays_inside_a_partial_shard_map(meshes, hea
     for got in (top, nested):
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_lint_finds_a_split_out_bias_in_a_stacked_attention():
+    """nnx.vmap-stacked nnx.MultiHeadAttention (leading "layers" dim) with its one bias_init
+    named "kv": the out bias ([layers, embed]) is split over tensor on dim 1 while the out
+    kernel's embed dim is not; the q/k/v biases match their kernels and are not flagged."""
+    xavier, zeros = nnx.initializers.xavier_uniform(), nnx.initializers.zeros_init()
+
+    def make():
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stack(r):
+            return nnx.MultiHeadAttention(
+                4, 64, decode=False, kernel_init=nnx.with_partitioning(xavier, ("embed", "kv")),
+                out_kernel_init=nnx.with_partitioning(xavier, ("kv", None, "embed")),
+                bias_init=nnx.with_partitioning(zeros, ("kv",)), rngs=r)
+        return stack(nnx.Rngs(0))
+
+    report = rules.lint(rules.abstract(make), jaxmp.make_mesh({"fsdp": 2, "tensor": 4}),
+                        rules=[("kv", "tensor"), *rules.DEFAULT_RULES])
+    assert [(b.path, b.dim, b.mesh_axes) for b in report.split_biases] == [
+        ("out/bias", 1, ("tensor",))]
+    assert report.warning().startswith("out/bias is split over tensor on dim 1 by rule")

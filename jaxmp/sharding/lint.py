@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmp._util.fmt import fmt_bytes, mesh_str, table
 from jaxmp.mesh import mesh_shape
+from jaxmp.sharding.bias import SplitBias, split_biases
 from jaxmp.sharding.resolve import DEFAULT_RULES, Axes, Fallback, PathRule, Rule, normalize_rules
 from jaxmp.sharding.tree import resolve_leaves, tree_leaves
 
@@ -65,6 +66,8 @@ class LintReport:
     arrays: list[ArrayInfo] = field(default_factory=list)
     # (path, names given, rank) of arrays named on fewer dims than they have
     partial: list[tuple[str, int, int]] = field(default_factory=list)
+    # biases split over an axis their kernel's output dim is not (sharding/bias.py)
+    split_biases: list[SplitBias] = field(default_factory=list)
 
     @property
     def shards(self) -> int:
@@ -85,14 +88,20 @@ class LintReport:
 
     def warning(self, threshold: float = 1.5) -> str | None:
         """A one-line warning when per-device bytes exceed ``threshold`` x ``total / shards``,
-        naming the largest replicated arrays and the names no rule knows (None: balanced)."""
+        naming the largest replicated arrays and the names no rule knows, or when a bias is
+        split where its kernel's output is not (None: nothing to say)."""
+        biases = [b.message() for b in self.split_biases]
+        more = [f"and {len(biases) - 1} more such bias(es)"] if len(biases) > 1 else []
+        return "; ".join([*self._memory_warning(threshold), *biases[:1], *more]) or None
+
+    def _memory_warning(self, threshold: float) -> list[str]:
         if self.shard_ratio <= threshold:
-            return None
+            return []
         largest = ", ".join(f"{p} ({fmt_bytes(b)})" for p, b in self.replicated[:3])
         unknown = (f"; names no rule knows: {', '.join(self.unknown_names)}"
                    if self.unknown_names else "")
-        return (f"params take {self.shard_ratio:.2f}x total/{self.shards} per device: largest "
-                f"replicated arrays {largest or 'none'}{unknown} (add rules or path_rules)")
+        return [f"params take {self.shard_ratio:.2f}x total/{self.shards} per device: largest "
+                f"replicated arrays {largest or 'none'}{unknown} (add rules or path_rules)"]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (tuples become lists) for ``--json`` output and plan files."""
@@ -139,6 +148,9 @@ class LintReport:
             lines += _section("Names covering fewer dims than the array has (rest replicated)",
                               ["path", "names cover"],
                               [[p, f"{given} of {rank} dims"] for p, given, rank in self.partial])
+        if self.split_biases:
+            lines += ["", "Biases split where their kernel's output is not"]
+            lines += [f"  {b.message()}" for b in self.split_biases[:_SHOW]]
         return "\n".join(lines)
 
 
@@ -185,7 +197,7 @@ def lint(tree: Any, mesh: Any, rules: Sequence[Rule] = DEFAULT_RULES,
         fallbacks=fallbacks,
         partial=[(leaf.path, leaf.given, len(leaf.shape)) for leaf in leaves
                  if leaf.names is not None and leaf.given < len(leaf.shape)],
-        arrays=arrays)
+        arrays=arrays, split_biases=split_biases(leaves, [r.spec for r in resolutions]))
 
 
 def _spec_axes(spec: P) -> list[str]:

@@ -129,15 +129,13 @@ def test_gpu_compile_options_order_and_types(monkeypatch):
     assert gpu_compile_options()["xla_gpu_pipeline_all_gather"] == "COLLECTIVE_PIPELINING_MODE_OFF"
 
 
-def test_fsdp_plans_get_single_layer_loops_and_three_collectives_in_flight():
-    """Where fsdp gathers weights outside a pipeline, the plan turns off double-buffered layer
-    loops (the prefetch of a two-layer body's next iteration waited for its last matmul:
-    docs/planner.md §7 "Stop 34"). The overlap limit is the plan's: 3 where fsdp gathers weights and microbatches
+def test_fsdp_with_accumulating_microbatches_gets_three_collectives_in_flight():
+    """The overlap limit is the plan's: 3 where fsdp gathers weights and microbatches
     accumulate (the backward's prefetch no longer waits behind the layer's two gradient
     reduce-scatters: docs/planner.md §7 "Stop 31"), 2 elsewhere (a third slot held one more
     sequence-parallel gather's buffer on the data 2 x tensor 4 case: "Stop 29"); the config's
     flags and ``XLA_FLAGS`` still win, and plan.json says which flags the plan adds."""
-    from jaxmp._util.env import FSDP_ACCUMULATION_GPU_FLAGS, FSDP_GPU_FLAGS, gpu_compile_options
+    from jaxmp._util.env import FSDP_ACCUMULATION_GPU_FLAGS, gpu_compile_options
     from jaxmp.plan.layout import Layout, mesh_items
 
     def layout(mb: int, stage: int = 1, **mesh: int) -> Layout:
@@ -145,16 +143,10 @@ def test_fsdp_plans_get_single_layer_loops_and_three_collectives_in_flight():
         return Layout(mesh_items(sizes), "full", mb)
 
     limit = "xla_gpu_experimental_parallel_collective_overlap_limit"
-    both = f"{FSDP_GPU_FLAGS} {FSDP_ACCUMULATION_GPU_FLAGS}"
-    assert layout(2, fsdp=4, tensor=2).xla_flags == both
-    assert layout(1, fsdp=8).xla_flags == FSDP_GPU_FLAGS  # 1 microbatch
-    assert layout(4, 2, fsdp=4).xla_flags == ""  # the pipeline takes them, double-buffers
-    assert layout(4, data=2, tensor=4).xla_flags == ""  # no fsdp
+    assert layout(2, fsdp=4, tensor=2).xla_flags == FSDP_ACCUMULATION_GPU_FLAGS
     for other in (layout(1, fsdp=8), layout(4, data=2, tensor=4), layout(4, 2, fsdp=4)):
+        assert other.xla_flags == ""  # 1 microbatch, no fsdp, the pipeline takes them
         assert gpu_compile_options("", other.xla_flags)[limit] == 2
-    double = "xla_gpu_enable_while_loop_double_buffering"
-    assert gpu_compile_options("", layout(1, fsdp=8).xla_flags)[double] is False
-    assert gpu_compile_options("", layout(1, data=8).xla_flags)[double] is True
     plan_flags = layout(2, fsdp=8).xla_flags
     assert gpu_compile_options("", plan_flags)[limit] == 3
     assert gpu_compile_options(f"--{limit}=2", plan_flags)[limit] == 2  # the config's wins

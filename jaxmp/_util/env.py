@@ -31,8 +31,8 @@ def add_xla_flags(flags: str) -> None:
 # of ``jaxmp plan --aot`` / ``jaxmp bench --aot`` alike; the config's ``[xla].flags`` and the
 # user's ``XLA_FLAGS`` come after them and win). They hide fsdp's weight gathers and gradient
 # reductions behind compute: the latency-hiding scheduler; collectives of a layer loop
-# pipelined into the previous iteration, the loop unrolled twice (not where fsdp gathers
-# weights: :data:`FSDP_GPU_FLAGS`); small collectives combined, all-gathers up to 1 GiB (a layer's gathered weights: one transfer per
+# pipelined into the previous iteration, the loop unrolled twice so that they can be; small
+# collectives combined, all-gathers up to 1 GiB (a layer's gathered weights: one transfer per
 # layer, started a layer ahead) and not split by dimension. Without the 1 GiB threshold and the
 # combining across dims, 4 of the 16 all-gathers in the 8B GPT's layer loop on 8 H100s had no
 # matmul to hide behind (docs/planner.md). MaxText's GPU configs set the same flags. Two
@@ -65,15 +65,6 @@ GPU_XLA_FLAGS = " ".join([
 # layer's fsdp gather started after the last matmul: Llama-3-70B's shape, fsdp 16 x tensor 4,
 # 2 microbatches, 4 layers: 4 of 8 layer-loop gathers exposed → 0 (§7 "Stop 29", "Stop 31").
 FSDP_ACCUMULATION_GPU_FLAGS = "--xla_gpu_experimental_parallel_collective_overlap_limit=3"
-# What a plan with fsdp > 1 and no pipeline stages adds (``Layout.xla_flags``): layer loops
-# not double-buffered. Unrolled twice, a layer-loop body runs two layers, and the scheduler
-# issued the prefetch of the next iteration's weights after the body's last matmul (its
-# operands only dynamic slices of the stacked shards; the backward's gathers likewise), so
-# every other layer waited for its gather. One layer an iteration, the pipelined gather of
-# layer i + 1 starts at the top of iteration i and spans the whole layer. Exposed layer-loop
-# gathers, jax 0.10.2, 4 layers: fsdp 16 on A100-40GB 3 of 4 → 0 of 2, fsdp 8 on H100 (d 3072)
-# 2 of 8 → 0 of 4, fsdp 16 with 4 microbatches 6 of 8 → 0 of 4 (docs/planner.md §7 "Stop 34").
-FSDP_GPU_FLAGS = "--xla_gpu_enable_while_loop_double_buffering=false"
 # Flags of GPU_XLA_FLAGS that only some jaxlib versions know: dropped without a word.
 VERSIONED_GPU_FLAGS = frozenset(_OLD_PIPELINING + _NEW_PIPELINING)
 GPU_FLAG_PREFIX = "--xla_gpu_"

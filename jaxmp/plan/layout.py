@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxmp._util.env import FSDP_ACCUMULATION_GPU_FLAGS, FSDP_GPU_FLAGS
+from jaxmp._util.env import FSDP_ACCUMULATION_GPU_FLAGS
 from jaxmp.compression.reduce import Compression, reduced_after_microbatches
 from jaxmp.mesh import AXES
 from jaxmp.pipeline.stages import StageSplit
@@ -82,19 +82,11 @@ class Layout:
     @property
     def xla_flags(self) -> str:
         """XLA flags this layout's GPU compile adds to jaxmp's (the config's and ``XLA_FLAGS``
-        win). Where fsdp gathers weights in an unstaged step:
-        :data:`~jaxmp._util.env.FSDP_GPU_FLAGS` (layer loops one layer an iteration, so each
-        layer's gather is prefetched across the whole previous layer), and with accumulating
-        microbatches :data:`~jaxmp._util.env.FSDP_ACCUMULATION_GPU_FLAGS` too (the backward's
-        prefetch is not queued behind the gradient reduce-scatters). Nothing elsewhere: no
-        extra in-flight buffer there, and the pipeline's memory model counts its chunks'
-        double-buffered scan stacks."""
-        if self.sizes.get("fsdp", 1) == 1:
-            return ""
-        flags = [FSDP_GPU_FLAGS] if self.stages == 1 else []
-        if self.accumulation > 1:
-            flags.append(FSDP_ACCUMULATION_GPU_FLAGS)
-        return " ".join(flags)
+        win): :data:`~jaxmp._util.env.FSDP_ACCUMULATION_GPU_FLAGS` where fsdp gathers weights
+        and microbatches accumulate, so the backward's prefetch is not queued behind the
+        gradient reduce-scatters; nothing elsewhere (no extra in-flight buffer there)."""
+        return FSDP_ACCUMULATION_GPU_FLAGS if self.sizes.get("fsdp", 1) > 1 and \
+            self.accumulation > 1 else ""
 
     def to_json(self) -> dict[str, Any]:
         """Every field as plain JSON values (``plan.json``'s ``layout``)."""

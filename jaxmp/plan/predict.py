@@ -123,9 +123,11 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     gather_after = 0.5 if zero > 1 and not at_end else 0.0
     per_layer = microbatches * table.fsdp_bytes / bw["fsdp"] + (
         0.0 if at_end else (1 - gather_after) * data_bytes / bw["data"])
+    # Each microbatch's first weight gather waits: the accumulation loop's body issues it at
+    # its top, with no matmul before it (docs/planner.md §7 "Stop 34").
     exposed, hidden = overlapped(per_layer, microbatches * table.compute_time,
-                                 float(table.first_gather_bytes.max()) / bw["fsdp"],
-                                 ctx.profile.overlap)
+                                 microbatches * float(table.first_gather_bytes.max())
+                                 / bw["fsdp"], ctx.profile.overlap)
     raw = {"fsdp": comm["fsdp"] / bw["fsdp"], "data": comm["data"] / bw["data"]}
     overlappable = {"fsdp": raw["fsdp"],
                     "data": 0.0 if at_end else (1 - gather_after) * raw["data"]}

@@ -6,9 +6,8 @@ One table for the model (which applies the policy with ``jax.checkpoint``) and t
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -102,21 +101,17 @@ def recomputes_attention() -> bool:
     return _RECOMPUTE_ATTENTION.get()
 
 
-@contextlib.contextmanager
-def _recomputing() -> Iterator[None]:
-    token = _RECOMPUTE_ATTENTION.set(True)
-    try:
-        yield
-    finally:
-        _RECOMPUTE_ATTENTION.reset(token)
-
-
-def recomputing_attention(fn: Callable) -> Callable:
-    """``fn``, traced with :func:`recomputes_attention` on."""
+def _selective(fn: Callable, remat: str) -> Callable:
+    """``fn``, traced with :func:`recomputes_attention` on under ``"selective"`` (as is else)."""
+    if remat != "selective":
+        return fn
 
     def traced(*args: Any, **kwargs: Any) -> Any:
-        with _recomputing():
+        token = _RECOMPUTE_ATTENTION.set(True)
+        try:
             return fn(*args, **kwargs)
+        finally:
+            _RECOMPUTE_ATTENTION.reset(token)
 
     return traced
 
@@ -128,6 +123,16 @@ def checkpointed(fn: Any, remat: str, *, scanned: bool = False, **kwargs: Any) -
     if remat not in REMAT_POLICIES:
         raise ValueError(f"unknown remat policy {remat!r}; known: {', '.join(REMAT_POLICIES)}")
     if keeps_layer(remat):
-        fn = recomputing_attention(fn) if remat == "selective" else fn
+        fn = _selective(fn, remat)
         return jax.checkpoint(fn, policy=keeps_all_but_constraints, **kwargs) if scanned else fn
     return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], **kwargs)
+
+
+def stashed(fn: Any, remat: str, **kwargs: Any) -> Any:
+    """``fn`` as a pipeline's stash runs a block (jaxmp.pipeline.chunk, and the cost model's
+    staged residuals): under :func:`stash_keeps` (``kwargs`` to its checkpoint) where the
+    policy keeps the layer ("none", "selective": its attention core recomputed too), else
+    :func:`checkpointed`."""
+    if keeps_layer(remat):
+        return jax.checkpoint(_selective(fn, remat), policy=stash_keeps, **kwargs)
+    return checkpointed(fn, remat)

@@ -28,7 +28,7 @@ from jaxmp.cost.liveness import Timeline, backward_timeline
 from jaxmp.cost.trace import LayerCall
 from jaxmp.cost.traffic import count as count_traffic
 from jaxmp.cost.traffic import linear
-from jaxmp.remat import checkpointed, keeps_layer, recomputing_attention, stash_keeps
+from jaxmp.remat import checkpointed, keeps_layer, stashed
 
 @dataclass(frozen=True)
 class Saved:
@@ -131,11 +131,7 @@ def _vjp_program(call: LayerCall, policy: str, staged: bool = False
     ``policy`` (``staged``: under a pipeline stash's policy, "none" or "selective"). Cotangents
     are inputs, not constants, so XLA cannot fold the backward away."""
     f, _, is_float = _layer_fn(call)
-    if staged:  # as jaxmp.pipeline.chunk runs a block
-        f = recomputing_attention(f) if policy == "selective" else f
-        f = jax.checkpoint(f, policy=stash_keeps)
-    else:
-        f = checkpointed(f, policy)
+    f = stashed(f, policy) if staged else checkpointed(f, policy)
     keep: list[bool] = []
 
     def run(params: Any, rest: Any, cts: list, *arrays: Any) -> Any:

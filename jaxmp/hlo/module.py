@@ -174,7 +174,8 @@ class HloModule:
             return v
 
         if a[0] == "i" and b[0] == "i":  # i < N with N carried (e.g. behind a barrier)
-            a, b = (a, invariant(b)) if invariant(b)[0] == "c" else (invariant(a), b)
+            bound = invariant(b)
+            a, b = (a, bound) if bound[0] == "c" else (invariant(a), b)
         if a[0] == "c" and b[0] == "i":
             a, b, d = b, a, _FLIP.get(d, d)
         if a[0] != "i" or b[0] != "c":

@@ -34,7 +34,7 @@ from jaxmp import sharding
 from jaxmp.loss import split_loss
 from jaxmp.pipeline.residuals import BLOCK_INPUT
 from jaxmp.pipeline.stages import StageSplit
-from jaxmp.remat import checkpointed, keeps_layer, recomputing_attention, stash_keeps
+from jaxmp.remat import stashed
 from jaxmp.sharding.tree import ROWS_KEY
 
 FIRST_CHUNK = "first_chunk"  # name scope of the conditionals that run on chunk 0 only
@@ -160,11 +160,7 @@ class Chunk:
         stage 2 x fsdp 4: 16 MiB of a 2-block chunk, docs/planner.md §7 "Stop 29")."""
         graph = block_graphdef(model, self.spec)  # in the model's mode (train / eval)
         block = lambda h, layer: nnx.merge(graph, layer)(h)  # noqa: E731
-        if keeps_layer(self.spec.remat):  # "selective": the attention core recomputed too
-            block = recomputing_attention(block) if self.spec.remat == "selective" else block
-            run = jax.checkpoint(block, policy=stash_keeps, prevent_cse=False)
-        else:
-            run = checkpointed(block, self.spec.remat)
+        run = stashed(block, self.spec.remat, prevent_cse=False)
 
         def body(h: jax.Array, row: tuple) -> tuple[jax.Array, None]:
             index, layer = row

@@ -34,6 +34,7 @@ from jaxmp.plan.predict import predict
 SCHEDULES = ("1f1b", "interleaved")  # searched when pipeline.schedule is "auto"
 VIRTUAL = (2, 3, 4)  # interleaved chunks per device, when pipeline.virtual_stages is "auto"
 ACCUMULATION = (1, 2, 4)  # microbatches without stages, times the configured count
+REFINED = 4  # the fastest fitting layouts that also try the remat policies the search skipped
 
 
 @dataclass(frozen=True)
@@ -189,10 +190,12 @@ def _search(ctx: Context, fixed: Mapping[str, int] | None, remats: Sequence[str]
     cost, n = ctx.cost, ctx.n
     opts = pipeline or PipelineOptions()
     fixed = dict(fixed or {})
-    # Cheapest first: once a runnable policy fits, the costlier ones are dominated (slower,
-    # never more runnable) and are not predicted.
+    # Cheapest first: once a runnable policy fits, the costlier ones are skipped (they are
+    # never more runnable and seldom faster; the fastest layouts try them after the ranking).
     remats = sorted(remats or next(iter(cost.layers)).saved, key=ctx.flops_per_step)
     result = SearchResult([])
+    skipped: dict[tuple, Sequence[str]] = {}  # layout -> the policies the break skipped
+    groups: dict[int, tuple] = {}  # id(candidate) -> its layout
     unknown = set(fixed) - set(AXES)
     if unknown:
         raise ValueError(f"unknown mesh axis {sorted(unknown)[0]!r}")
@@ -213,33 +216,67 @@ def _search(ctx: Context, fixed: Mapping[str, int] | None, remats: Sequence[str]
             result.dropped["batch too small for the microbatches"] += 1
             continue
         for count, kind, virtual, configured in layouts:
-            for remat in remats:
+            group = (tuple(sizes.items()), count, kind, virtual, configured)
+            for j, remat in enumerate(remats):
                 remat_ok = configured_remat is None or remat == configured_remat
-                fitted = False
-                for sp in ctx.sp_choices(sizes):  # "auto": off and on, the ranking decides
-                    for zero, zero_ok in optimizer_choices(optimizer_sharding, sizes["data"]):
-                        layout = ctx.layout(sizes, remat, count, kind, virtual, zero, sp)
-                        pred = predict(ctx, layout)
-                        fits = bool(pred.per_device_bytes <= ctx.memory_limit)
-                        blockers = [] if remat_ok else [f"needs model.remat={remat!r}"]
-                        if not zero_ok:
-                            blockers.append(f"needs train.optimizer_sharding={zero!r}")
-                        if not configured:
-                            blockers.append(f"needs train.microbatches={count}")
-                        if stages > 1 and not opts.runnable:
-                            blockers.append(opts.why_not)
-                        result.ranked.append(Candidate(layout, pred, fits, tuple(blockers)))
-                        fitted |= fits
-                        if fits:  # sharding the optimizer state more saves nothing that matters
-                            break
-                if fitted and remat_ok:
+                made = _predict_remat(ctx, sizes, remat, count, kind, virtual, configured,
+                                      remat_ok, opts, optimizer_sharding)
+                result.ranked.extend(made)
+                groups.update((id(c), group) for c in made)
+                if any(c.fits for c in made) and remat_ok:
+                    skipped[group] = remats[j + 1:]
                     break
-    # Fitting first, then fastest; on a tie the fewer microbatches (larger matmuls, a simpler
-    # program), then the less memory.
+    _rank(result)
+    # A costlier policy is seldom faster, but it can be: it writes and reads fewer residuals.
+    # The fastest few runnable layouts that fit also try the policies the break skipped.
+    refined: list[tuple] = []
+    for c in result.ranked if configured_remat is None else ():
+        if len(refined) == REFINED or not c.fits:
+            break
+        group = groups.get(id(c))
+        if c.runnable and skipped.get(group) and group not in refined:
+            refined.append(group)
+    for sizes, count, kind, virtual, configured in refined:
+        for remat in skipped[(sizes, count, kind, virtual, configured)]:
+            result.ranked.extend(_predict_remat(
+                ctx, dict(sizes), remat, count, kind, virtual, configured,
+                configured_remat is None or remat == configured_remat, opts,
+                optimizer_sharding))
+    _rank(result)
+    return result
+
+
+def _predict_remat(ctx: Context, sizes: Mapping[str, int], remat: str, count: int, kind: str,
+                   virtual: int, configured: bool, remat_ok: bool, opts: PipelineOptions,
+                   optimizer_sharding: str) -> list[Candidate]:
+    """The candidates of one layout under one remat policy: sequence parallelism as
+    :meth:`Context.sp_choices` tries it, each with the optimizer shardings tried until one
+    fits (sharding the optimizer state more saves nothing that matters)."""
+    made = []
+    for sp in ctx.sp_choices(sizes):  # "auto": off and on, the ranking decides
+        for zero, zero_ok in optimizer_choices(optimizer_sharding, sizes["data"]):
+            layout = ctx.layout(sizes, remat, count, kind, virtual, zero, sp)
+            pred = predict(ctx, layout)
+            fits = bool(pred.per_device_bytes <= ctx.memory_limit)
+            blockers = [] if remat_ok else [f"needs model.remat={remat!r}"]
+            if not zero_ok:
+                blockers.append(f"needs train.optimizer_sharding={zero!r}")
+            if not configured:
+                blockers.append(f"needs train.microbatches={count}")
+            if sizes["stage"] > 1 and not opts.runnable:
+                blockers.append(opts.why_not)
+            made.append(Candidate(layout, pred, fits, tuple(blockers)))
+            if fits:
+                break
+    return made
+
+
+def _rank(result: SearchResult) -> None:
+    """Fitting first, then fastest; on a tie the fewer microbatches (larger matmuls, a simpler
+    program), then the less memory."""
     result.ranked.sort(key=lambda c: (not c.fits, c.prediction.step_time_s,
                                       c.layout.microbatches, c.prediction.per_device_bytes,
                                       len(c.blockers)))
-    return result
 
 
 def choose(result: SearchResult) -> tuple[Candidate | None, list[str]]:

@@ -29,6 +29,7 @@ from jaxmp.plan.context import Context
 from jaxmp.plan.sequence import choices
 from jaxmp.recipes.gpt import gpt_costs, gpt_plan, gpt_trainer
 from jaxmp.recipes.published import GPT3_175B
+from jaxmp.sharding import ring
 from jaxmp.tools.measure import measure_step
 from jaxmp.topology import gpu_topology
 from jaxmp.train.state import init_state
@@ -154,6 +155,20 @@ def test_sequence_parallel_step_equals_one_device(axes, microbatches, extra, ref
     with the projections as ring collective matmuls (``model.collective_matmul``, which
     "auto" turns on only on GPUs: jaxmp.sharding.ring), also inside the reducer's shard_map
     over data (optimizer state sharded over data)."""
+    _equals_reference(axes, microbatches, extra, reference)
+
+
+@pytest.mark.parametrize("axes", [(2, 2, 1, 2), (2, 1, 1, 4)],
+                         ids=["stage2xdata2xtensor2", "data2xtensor4"])
+def test_gpu_program_gathering_once_equals_one_device(axes, reference, monkeypatch):
+    """The GPU meshes' program, forced here: the split stream gathered once for q, k and v
+    and a row matmul's output gradient once for both its products
+    (jaxmp.sharding.ring.gathered_once), in pipeline stages and out."""
+    monkeypatch.setattr(ring, "GPU_PLATFORMS", (*ring.GPU_PLATFORMS, "cpu"))
+    _equals_reference(axes, "auto", (), reference)
+
+
+def _equals_reference(axes, microbatches, extra, reference):
     sets = [f"mesh.{a}={n}" for a, n in zip(AXES, axes)] + [
         "train.sequence_parallel=true", f"train.microbatches={microbatches}", *extra]
     trainer = _trainer(*sets)

@@ -271,7 +271,8 @@ def test_auto_chooses_it_with_tensor_and_says_so():
 def test_auto_turns_it_on_only_where_it_pays():
     """The README's example (the tiny default on 64 x H100): on GPUs sequence parallelism
     costs the backward's extra all-gathers, so the planner takes the layout without it (its
-    GPU program sends 3.6 MiB as predicted; with it in pipeline stages, 12-25 MiB); with more
+    GPU program sends 3.6 MiB as predicted; with it, data 4 x stage 2 x fsdp 2 x tensor 4,
+    3.5 as predicted since stop 35, 12.2 before: docs/planner.md §7); with more
     tensor devices than heads it is never tried; on CPUs it costs nothing and is taken.
     With the ring collective matmuls (the default "auto": on GPUs) the planner charges the
     blocks' tensor collectives as hidden behind their matmuls, and each ring step a fixed

@@ -53,11 +53,6 @@ class DeviceProfile:
     # input before all-reducing them (XLA's all-reduce reassociation on GPUs): one backward
     # all-reduce per row-parallel matrix instead of one per matrix (XLA:CPU).
     reassociates_all_reduce: bool = True
-    # Sequence parallelism inside pipeline stages costs what the planner models (XLA:CPU; on
-    # GPUs the tick loop does not: the tiny GPT on 64 H100s, stage 2 x tensor 4, peak 5.85 MiB
-    # against 4.12 predicted, bytes +12.5 %; docs/planner.md §7), so "auto" may choose it there. (Inside the gradient accumulation
-    # loop it holds on GPUs too since the loop carries its microbatch: jaxmp.train.step.)
-    sequence_parallel_in_stages: bool = False
     # The optimizer's update runs as fused elementwise kernels writing into the donated state
     # (XLA's GPU compiler: after the backward only the gradients and their reduced copy are
     # live, docs/benchmarks.md "Float32 master weights", stop 29); XLA:CPU computes the new
@@ -124,7 +119,7 @@ PROFILES: dict[str, DeviceProfile] = {
     "CPU": DeviceProfile("CPU", 5e10, 16 * GiB, 1e10, 1e9, devices_per_host=0,
                          usable_fraction=0.8, efficiency=0.5, overlap=False, shared_host=True,
                          upcasts_16bit=True, reassociates_all_reduce=False,
-                         sequence_parallel_in_stages=True, updates_in_place=False,
+                         updates_in_place=False,
                          holds_scores=False, holds_head_gradient=False),
 }
 OVERRIDABLE = tuple(f.name for f in dataclasses.fields(DeviceProfile)

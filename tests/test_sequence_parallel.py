@@ -29,6 +29,7 @@ from jaxmp.plan.context import Context
 from jaxmp.plan.sequence import choices
 from jaxmp.recipes.gpt import gpt_costs, gpt_plan, gpt_trainer
 from jaxmp.recipes.published import GPT3_175B
+from jaxmp.sharding import ring
 from jaxmp.tools.measure import measure_step
 from jaxmp.topology import gpu_topology
 from jaxmp.train.state import init_state
@@ -154,6 +155,20 @@ def test_sequence_parallel_step_equals_one_device(axes, microbatches, extra, ref
     with the projections as ring collective matmuls (``model.collective_matmul``, which
     "auto" turns on only on GPUs: jaxmp.sharding.ring), also inside the reducer's shard_map
     over data (optimizer state sharded over data)."""
+    _equals_reference(axes, microbatches, extra, reference)
+
+
+@pytest.mark.parametrize("axes", [(2, 2, 1, 2), (2, 1, 1, 4)],
+                         ids=["stage2xdata2xtensor2", "data2xtensor4"])
+def test_gpu_program_gathering_once_equals_one_device(axes, reference, monkeypatch):
+    """The GPU meshes' program, forced here: the split stream gathered once for q, k and v
+    and a row matmul's output gradient once for both its products
+    (jaxmp.sharding.ring.gathered_once), in pipeline stages and out."""
+    monkeypatch.setattr(ring, "GPU_PLATFORMS", (*ring.GPU_PLATFORMS, "cpu"))
+    _equals_reference(axes, "auto", (), reference)
+
+
+def _equals_reference(axes, microbatches, extra, reference):
     sets = [f"mesh.{a}={n}" for a, n in zip(AXES, axes)] + [
         "train.sequence_parallel=true", f"train.microbatches={microbatches}", *extra]
     trainer = _trainer(*sets)
@@ -256,7 +271,8 @@ def test_auto_chooses_it_with_tensor_and_says_so():
 def test_auto_turns_it_on_only_where_it_pays():
     """The README's example (the tiny default on 64 x H100): on GPUs sequence parallelism
     costs the backward's extra all-gathers, so the planner takes the layout without it (its
-    GPU program sends 3.6 MiB as predicted; with it in pipeline stages, 12-25 MiB); with more
+    GPU program sends 3.6 MiB as predicted; with it, data 4 x stage 2 x fsdp 2 x tensor 4,
+    3.5 as predicted since stop 35, 12.2 before: docs/planner.md §7); with more
     tensor devices than heads it is never tried; on CPUs it costs nothing and is taken.
     With the ring collective matmuls (the default "auto": on GPUs) the planner charges the
     blocks' tensor collectives as hidden behind their matmuls, and each ring step a fixed

@@ -342,20 +342,13 @@ class Context:
 
     def sp_choices(self, sizes: Mapping[str, int]) -> tuple[bool, ...]:
         """The sequence parallelism the search tries on a mesh of ``sizes``
-        (:func:`jaxmp.plan.sequence.choices`); "auto" leaves it off inside pipeline stages on
-        a compiler whose tick loop sends more than is modelled there
-        (``DeviceProfile.sequence_parallel_in_stages``: the tiny GPT on 64 × H100 at stage 2
-        × tensor 4, peak +42 % and bytes +12.5 % over the prediction, docs/planner.md §7).
-        Inside a gradient accumulation loop it is kept and predicted like one microbatch's (the
-        loop carries its microbatch: jaxmp.train.step). An explicit ``true`` is built and
-        predicted."""
+        (:func:`jaxmp.plan.sequence.choices`), inside pipeline stages and gradient
+        accumulation loops too (their GPU programs send what is predicted: docs/planner.md
+        §7, stop 35). An explicit ``true`` is built and predicted."""
         fsdp, tensor = int(sizes.get("fsdp", 1)), int(sizes.get("tensor", 1))
         every = all(self.shard(i, fsdp, tensor).tensor_weights
                     == self.shard(i, fsdp, tensor).n_matrices
                     for i in self.first if self.cost.layers[i].kind == "block")
-        staged = int(sizes.get("stage", 1)) > 1 and not self.profile.sequence_parallel_in_stages
-        if self.sequence_parallel == "auto" and staged:
-            return (False,)
         return sequence_choices(self.sequence_parallel, tensor, self.seq_len, every)
 
     def optimizer_sharding(self, tried: str, sizes: Mapping[str, int]) -> str:

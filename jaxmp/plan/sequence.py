@@ -15,9 +15,10 @@ et al. 2022, §4.2.2); keeping the gathered input instead would store ``t`` time
 sequence-sharded one per column input, most of what sequence parallelism saves. XLA:CPU,
 which reduces each column matrix's input gradient separately, sends no extra bytes (CPU
 bytes with and without sequence parallelism agree within 2 %, docs/benchmarks.md). Inside a
-pipeline's ticks on GPUs the same gathers are counted, a lower bound: there the GPU program
-sends 3x the prediction (the tiny default GPT, data 4 × stage 2 × fsdp 2 × tensor 4 on 64 ×
-H100: 12.2 against 4.1 MiB per device; docs/planner.md §7), not yet isolated term by term.
+pipeline's ticks the same gathers are counted, and the GPU program sends them: until stop 35
+the partitioner gave each matmul reading the split stream (q, k, v; a row matmul's two
+backward products) an all-gather of its own, +50 % bytes at 530B's width, in stages or not;
+the step now gathers each once (:func:`jaxmp.sharding.ring.gathered_once`, docs/planner.md §7).
 
 When it pays (:func:`choices`): ``"auto"`` tries it off and on and the search keeps the faster
 (on a tie the smaller) — on GPUs it costs the gathers above, on the CPU nothing; and never
@@ -37,7 +38,7 @@ def regathers(column_inputs: int, *, sp: bool, tensor: int, reassociates: bool) 
     under sequence parallelism (``column_inputs``: the distinct inputs of its column-parallel
     matmuls; ``reassociates``: the backend sums their input gradients before one reduction —
     :attr:`jaxmp.devices.DeviceProfile.reassociates_all_reduce`, the GPU compiler's; inside
-    a pipeline's ticks counted alike — a lower bound, see above)."""
+    a pipeline's ticks counted alike)."""
     if not sp or tensor <= 1 or not reassociates:
         return 0
     return column_inputs

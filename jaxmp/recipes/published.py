@@ -244,16 +244,12 @@ def _korthikanti(size: str, shape: tuple[int, int, int], stages: int, batch: int
         step_s, published, precision="16-bit", xfail_fit=xfail_fit, xfail_choice=xfail_choice)
 
 
-# The planner leaves sequence parallelism off inside pipeline stages on GPUs ("auto";
-# DeviceProfile.sequence_parallel_in_stages: their GPU programs sent more than modelled)
-_SP_IN_STAGES = ("the published layout runs sequence parallelism inside its stages, which "
-                 "'auto' leaves off on GPUs: 45.9 s predicted for it, 48.9 s for the choice")
 # size, shape, stages, batch, (selective s, MFU, HFU), full s, known misses (selective's fit,
 # full's fit, selective's choice)
 _KORTHIKANTI_ROWS = (
     ("22B", (48, 6144, 64), 1, 4, (1.10, 41.5, 43.7), 1.42, ("", "", "")),
     ("175B", (96, 12288, 96), 8, 64, (13.75, 51.4, 52.8), 18.13, ("", "", "")),
-    ("530B", (105, 20480, 128), 35, 280, (37.83, 56.0, 57.0), 49.05, ("", "", _SP_IN_STAGES)),
+    ("530B", (105, 20480, 128), 35, 280, (37.83, 56.0, 57.0), 49.05, ("", "", "")),
     ("1T", (128, 25600, 160), 64, 512, (71.49, 56.3, 57.0), 94.42,
      (_LOCKSTEP.format("79.7"), _LOCKSTEP.format("76.3"), "")),
 )

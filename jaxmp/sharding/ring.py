@@ -22,7 +22,10 @@ recomputed ones with the forward's) instead of keeping all ``t`` of them.
 
 The ring runs inside a ``shard_map`` over ``tensor`` only; the other mesh axes stay automatic
 (data, fsdp gathers of the weights). Inside the pipeline's stages, outside :func:`activation_sharding`, without sequence
-parallelism or where shapes do not divide, both functions are the plain call.
+parallelism or where shapes do not divide, both functions are the plain call — under sequence
+parallelism with the split stream gathered once for all the column side's matmuls
+(:func:`gathered_once`) and the row side's output gradient once for both of its backward
+matmuls.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxmp.mesh import manual_axes, shard_map_over
-from jaxmp.sharding.activations import active
+from jaxmp.sharding.activations import active, activation_sharding, constrain, splits
 from jaxmp.sharding.resolve import resolve
 
 AXIS = "tensor"
@@ -112,7 +115,7 @@ def column_matmul(fn: Callable[..., tuple[Any, ...]], x: Any, weights: Sequence[
     out_shapes = jax.eval_shape(fn, x, *weights)
     ring = _ring(setting, x, weights, x_names, weight_names, out_names, out_shapes, True)
     if ring is None:
-        return fn(x, *weights)
+        return fn(gathered_once(x, x_names), *weights)
     mesh, t, in_specs, out_specs = ring
 
     def forward(chunk: Any, *ws: Any) -> tuple[Any, ...]:
@@ -158,6 +161,53 @@ def column_matmul(fn: Callable[..., tuple[Any, ...]], x: Any, weights: Sequence[
     return tuple(shard_map_over(local, mesh, {AXIS}, in_specs, out_specs)(x, *weights))
 
 
+def _once(x: Any, names: Names) -> bool:
+    """Whether :func:`gathered_once` gathers ``x``: its sequence is split (sequence
+    parallelism) on a GPU mesh."""
+    found = active()
+    return (found is not None and _enabled("auto", found[0])
+            and splits(np.shape(x), names, SEQ_DIM))
+
+
+def gathered_once(x: Any, names: Names) -> Any:
+    """``x`` with its sequence gathered whole, once, where the active rules split it (sequence
+    parallelism), else ``x``. Left to the partitioner, each matmul reading the split ``x``
+    gets an all-gather of its own: XLA's GPU compiler then sends q's, k's and v's copies of
+    the same input, forward and (for their weight gradients) backward — a 530B-wide slice at
+    tensor 8 sent 32.9 GB per step for 21.7 predicted (docs/planner.md §7, stop 35). A
+    constraint's output is not a saved residual (:func:`jaxmp.remat.keeps_all_but_constraints`),
+    so the backward gathers the split input again, once, and reduce-scatters the summed
+    input gradient once. On GPU meshes only: XLA:CPU sends no regathers (it keeps the
+    gathered input), which its planner profile models (``reassociates_all_reduce``)."""
+    if not _once(x, names):
+        return x
+    whole = list(names)
+    whole[SEQ_DIM] = None
+    # pinned split first: the saved input (what the backward gathers again) keeps the split
+    # (without it the partitioner stored the gathered copy, t times the bytes)
+    return constrain(constrain(x, names), whole)
+
+
+def _cotangent_gathered_once(y: Any, names: Names) -> Any:
+    """``y``, whose gradient is gathered whole once (:func:`gathered_once`) where the active
+    rules split ``names``' sequence: the row matmul's input gradient and weight gradient both
+    read it, and left to the partitioner each got an all-gather of its own."""
+    found = active()
+    if not _once(y, names):
+        return y
+
+    @jax.custom_vjp
+    def same(a: Any) -> Any:
+        return a
+
+    def backward(_: None, g: Any) -> tuple[Any]:
+        with activation_sharding(*found):
+            return (gathered_once(g, names),)
+
+    same.defvjp(lambda a: (a, None), backward)
+    return same(y)
+
+
 def row_matmul(fn: Callable[..., Any], h: Any, weights: Sequence[Any], h_names: Names,
                weight_names: Sequence[Names], out_names: Names,
                setting: bool | str = "auto") -> Any:
@@ -168,7 +218,7 @@ def row_matmul(fn: Callable[..., Any], h: Any, weights: Sequence[Any], h_names: 
     out_shape = jax.eval_shape(fn, h, *weights)
     ring = _ring(setting, h, weights, h_names, weight_names, [out_names], [out_shape], False)
     if ring is None:
-        return fn(h, *weights)
+        return _cotangent_gathered_once(fn(h, *weights), out_names)
     mesh, t, in_specs, out_specs = ring
 
     def local(whole: Any, *ws: Any) -> Any:

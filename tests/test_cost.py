@@ -14,6 +14,8 @@ from flax import nnx
 from jaxmp.cost import model_costs, xla_layer_check
 from jaxmp.models import GPT, GPTConfig, lm_loss
 from jaxmp.cost import flops as F
+from jaxmp.cost.splits import var_names
+from jaxmp.plan.divisor import saved_divisor
 
 # Big enough that matmuls dominate (as in any real model), small enough to trace in a second.
 MID = GPTConfig(vocab_size=512, layers=3, d_model=256, heads=4, kv_heads=4, head_dim=64,
@@ -154,7 +156,7 @@ def test_fusion_and_backward_working_set(mid_cost):
     peaks = {p: block.transient[p].peak(B) for p in ("none", "full")}
     assert 0 < peaks["none"] < peaks["full"]
     assert block.transient["none"].peak(B // 2) == pytest.approx(peaks["none"] / 2, rel=0.05)
-    assert block.transient["none"].peak(B, lambda shape, bdim: 2) == pytest.approx(
+    assert block.transient["none"].peak(B, lambda shape, bdim, names=None: 2) == pytest.approx(
         peaks["none"] / 2)
 
 
@@ -233,7 +235,7 @@ def test_unrolled_stack_costs_the_same():
 
 def test_saved_divisor_applies_per_array(mid_cost):
     block = mid_cost.layers[1].saved["none"]
-    assert block.bytes_at(B, lambda shape, bdim: 2) == pytest.approx(block.bytes / 2)
+    assert block.bytes_at(B, lambda shape, bdim, names=None: 2) == pytest.approx(block.bytes / 2)
     const, per_row = block.split()
     assert const + per_row * B == pytest.approx(block.bytes)
     assert np.isfinite(per_row) and per_row > 0
@@ -320,3 +322,30 @@ def test_traffic_counts_fusions_and_thin_matmuls():
     lin = traffic.linear(t, traffic.count(jax.make_jaxpr(fn)(*args[:2], jax.ShapeDtypeStruct(
         (1, d), jnp.bfloat16)), jaxpr.jaxpr.invars[:2]), n)
     assert lin.fused[1] * n + lin.fused[0] == pytest.approx(t.fused_bytes)
+
+
+def test_split_names_follow_the_weights_not_the_sizes():
+    """A 2-D query projection as wide as the residual stream (jaxmp.cost.splits): its output
+    carries the heads' name, the stream and the norm's output none, though all are 128 wide;
+    the scores keep the heads' name through the reshape, and the output projection's
+    contraction over the heads drops it (docs/planner.md §7 "Stop 35 (Rm3)")."""
+    def block(wq, wo, x):
+        h = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True))
+        q = (h @ wq).reshape(4, 64, 8, 16)
+        s = jnp.einsum("bthd,bshd->bhts", q, q)
+        a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s), q).reshape(4, 64, 128)
+        return x + a @ wo, h, q, s
+
+    f32 = jnp.float32
+    jaxpr = jax.make_jaxpr(block)(jax.ShapeDtypeStruct((128, 128), f32),
+                                  jax.ShapeDtypeStruct((128, 128), f32),
+                                  jax.ShapeDtypeStruct((4, 64, 128), f32))
+    heads, emb = frozenset({"heads"}), frozenset({"embed"})
+    names = var_names(jaxpr, [(emb, heads), (heads, emb), None])
+    out, h, q, s = (names[v] for v in jaxpr.jaxpr.outvars)
+    assert out == (frozenset(), frozenset(), emb) and h == (frozenset(),) * 3
+    assert q[2] == heads and s[1] == heads
+    div = saved_divisor(frozenset({128}), 8, split_names=frozenset({"heads"}))
+    assert [div((4, 64, 128), 0, n) for n in (out, h)] == [1, 1]
+    assert div((4, 64, 8, 16), 0, q) == div((4, 8, 64, 64), 0, s) == 8
+    assert div((4, 64, 128), 0) == 8  # by size alone: the stream counted split

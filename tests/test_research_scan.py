@@ -73,13 +73,17 @@ def test_lint_is_quiet_on_stacked_biasless_layers(lm):
         assert report.shard_ratio <= 1.1 and report.warning() is None, report.warning()
 
 
-def test_planner_on_fsdp8_as_compiled(lm):
-    """The planner on the scanned research model, fsdp 8 (docs/planner.md §7 Stop 34, Rm2):
-    arguments exact, peak +3.7 % and collectives −3.6 % when measured (CPU)."""
+@pytest.mark.parametrize("fsdp,tensor", [(8, 1), (1, 8)], ids=["fsdp8", "tensor8"])
+def test_planner_as_compiled(lm, fsdp, tensor):
+    """The planner on the scanned research model (docs/planner.md §7 Stop 34, Rm2; Stop 35,
+    Rm3), CPU: fsdp 8 arguments exact, peak −0.9 %, collectives −3.6 %; tensor 8 peak +4.3 %
+    (was −46 %: q's 2-D projection is as wide as the residual stream, so matching dims by size
+    split every residual over tensor), its collectives −11.8 % (not modelled: the 2 kv heads'
+    all-gathers, permutes and all-to-alls)."""
     example = {k: jax.ShapeDtypeStruct((16, 64), np.int32) for k in ("inputs", "targets")}
     cost = CostSource(lambda r: lm.ScanLM(r), lm.lm_loss, example_batch=example).get()
-    config = lm.make_config(1, ["mesh.data=1", "mesh.stage=1", "mesh.fsdp=8", "mesh.tensor=1",
-                                *QUIET, "train.sequence_parallel=false"])
+    config = lm.make_config(1, ["mesh.data=1", "mesh.stage=1", f"mesh.fsdp={fsdp}",
+                                f"mesh.tensor={tensor}", *QUIET, "train.sequence_parallel=false"])
     plan = make_plan(config, cost, 8, rules=lm.RULES)
     v = verify_prediction(lambda d: jaxmp.Trainer(
         config, lambda r: lm.ScanLM(r), lm.lm_loss, None, rules=lm.RULES, devices=d, plan=plan,
@@ -87,4 +91,4 @@ def test_planner_on_fsdp8_as_compiled(lm):
     assert v["layout"] == "as planned"
     assert v["argument_bytes"]["rel_err"] < 1e-3, v
     assert v["peak_bytes"]["rel_err"] < 0.10, v
-    assert v["comm_bytes_per_step"]["rel_err"] < 0.05, v
+    assert v["comm_bytes_per_step"]["rel_err"] < (0.05 if tensor == 1 else 0.15), v

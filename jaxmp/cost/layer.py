@@ -22,9 +22,11 @@ from flax import nnx
 # private, but the one tracer-level dead-code pass (it follows pjit and custom rules inside)
 from jax._src.interpreters.partial_eval import dce_jaxpr
 
+from jaxmp import sharding
 from jaxmp.cost import flops as F
 from jaxmp.cost.fusion import kept_values
 from jaxmp.cost.liveness import Timeline, backward_timeline
+from jaxmp.cost.splits import Names, var_names
 from jaxmp.cost.trace import LayerCall
 from jaxmp.cost.traffic import count as count_traffic
 from jaxmp.cost.traffic import linear
@@ -38,6 +40,7 @@ class Saved:
     itemsizes: tuple[int, ...]
     batch_dims: tuple[int | None, ...]  # the dim that grows with the batch; None: constant
     rows: int  # batch rows the shapes were traced at
+    names: tuple = ()  # per array, its dims' parameter names (cost.splits); (): not traced
 
     @property
     def bytes(self) -> float:
@@ -54,14 +57,20 @@ class Saved:
         """``(constant bytes, bytes per batch row)``, each array divided by ``divisor``;
         ``upcast_16bit`` counts 16-bit arrays as float32 (see DeviceProfile)."""
         const = per_row = 0.0
-        for shape, item, bdim in zip(self.shapes, self.itemsizes, self.batch_dims):
+        for k, (shape, item, bdim) in enumerate(zip(self.shapes, self.itemsizes,
+                                                    self.batch_dims)):
             item = 4 if upcast_16bit and item == 2 else item
-            b = math.prod(shape) * item / (divisor(shape, bdim) if divisor else 1)
+            b = math.prod(shape) * item / (divisor(shape, bdim, self.names_of(k))
+                                           if divisor else 1)
             if bdim is None:
                 const += b
             else:
                 per_row += b / self.rows
         return const, per_row
+
+    def names_of(self, k: int) -> tuple | None:
+        """Array ``k``'s per-dim parameter names (None: not traced)."""
+        return self.names[k] if self.names else None
 
 
 def with_rows(tree: Any, rows: int, new: int) -> Any:
@@ -77,14 +86,15 @@ def with_rows(tree: Any, rows: int, new: int) -> Any:
     return jax.tree.map(one, tree)
 
 
-def saved_from(avals: Sequence[Any], avals_one_row: Sequence[Any] | None, rows: int) -> Saved:
+def saved_from(avals: Sequence[Any], avals_one_row: Sequence[Any] | None, rows: int,
+               names: Sequence[Names] = ()) -> Saved:
     shapes = tuple(tuple(int(d) for d in a.shape) for a in avals)
     if avals_one_row is not None and len(avals_one_row) == len(avals):
         bdims = tuple(next((i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y), None)
                       for a, b in zip(avals, avals_one_row))
     else:  # structure changed with the batch: fall back to "a dim equal to rows"
         bdims = tuple(s.index(rows) if rows in s else None for s in shapes)
-    return Saved(shapes, tuple(a.dtype.itemsize for a in avals), bdims, rows)  # keys too
+    return Saved(shapes, tuple(a.dtype.itemsize for a in avals), bdims, rows, tuple(names))
 
 
 def _layer_fn(call: LayerCall) -> tuple[Callable, list, list[bool]]:
@@ -163,10 +173,46 @@ def _cotangents(outputs: list) -> list:
     return [x for x in outputs if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
+STACK_NAME = "layers"  # a stacked parameter's layer dim (DESIGN.md: logical names)
+
+
+def _input_dependent(jaxpr: Any) -> set:
+    """The variables computed from the program's inputs. The rest (a causal mask and the fill
+    beside it, built from iotas and literals) a scan's partial evaluation hoists out of the
+    loop as invariants: not stacked per layer (the research LM at tensor 8: 2.5 MB a layer
+    that XLA:CPU never stores, docs/planner.md §7 "Stop 35 (Rm3)")."""
+    out = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, jax.extend.core.Literal) and v in out for v in eqn.invars):
+            out.update(eqn.outvars)
+    return out
+
+
+def _names_of(names: dict, v: Any) -> Names | None:
+    return None if isinstance(v, jax.extend.core.Literal) else names.get(v)
+
+
+def input_names(call: LayerCall, n_inputs: int) -> list[Names | None]:
+    """The names of a layer program's inputs: its parameters' logical names per dim (the
+    state's other variables, the cotangents and the activations: whole)."""
+    params = []
+    for x in jax.tree.leaves(call.params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        names = sharding.names_of(x)[0] if isinstance(x, nnx.Variable) else None
+        value = (x.get_value() if hasattr(x, "get_value") else x.value) \
+            if isinstance(x, nnx.Variable) else x
+        rank = len(np.shape(value))
+        if names is not None and len(names) > rank:  # one block of a stack: no "layers" dim
+            names = tuple(n for n in names if n != STACK_NAME)
+        params.append(tuple(frozenset([n]) if n else frozenset() for n in names)
+                      if names is not None and len(names) == rank else None)
+    return params + [None] * (n_inputs - len(params))
+
+
 def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, staged: bool = False,
-                    outputs: list | None = None) -> tuple[Any, list, list, Timeline]:
-    """The traced program, the residuals it keeps, those that survive fusion, and the peak
-    bytes its backward pass needs beyond them (see :mod:`jaxmp.cost.liveness`);
+                    outputs: list | None = None) -> tuple[Any, list, list, Timeline, list, list]:
+    """The traced program, the residuals it keeps, those that survive fusion, the peak
+    bytes its backward pass needs beyond them (see :mod:`jaxmp.cost.liveness`), and the
+    residuals' and survivors' per-dim parameter names (:mod:`jaxmp.cost.splits`);
     ``outputs``: the layer's :func:`_outputs` at ``arrays``, if known."""
     run, keep = _vjp_program(call, policy, staged)
     outputs = _outputs(call, arrays) if outputs is None else outputs
@@ -174,7 +220,9 @@ def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, stage
     with jax.disable_jit():  # inline jitted helpers: a flat program for the analyses
         jaxpr = jax.make_jaxpr(run)(call.params, call.rest, cts, *arrays)
     outvars, invars = jaxpr.jaxpr.outvars, jaxpr.jaxpr.invars
-    residuals = [v for v, k in zip(outvars[len(outvars) - len(keep):], keep) if k]
+    varying = _input_dependent(jaxpr.jaxpr)  # (a pipeline's stash is no scan: keeps them all)
+    residuals = [v for v, k in zip(outvars[len(outvars) - len(keep):], keep)
+                 if k and (staged or isinstance(v, jax.extend.core.Literal) or v in varying)]
     n_state = len(jax.tree.leaves((call.params, call.rest)))
     n_out = len(outputs)
     n_pgrad = len(jax.tree.leaves(call.params))
@@ -183,11 +231,16 @@ def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, stage
                            if not isinstance(v, jax.extend.core.Literal) and v in producers),
                           default=-1)
     fused = kept_values(jaxpr, residuals, exclude=invars[:n_state], forward_end=forward_end)
-    accounted = list(outvars[:n_out + n_pgrad]) + list(outvars[len(outvars) - len(keep):])
+    # the invariant residuals are no layer's saved activations: one copy, live in its backward
+    accounted = list(outvars[:n_out + n_pgrad]) + residuals
+    names_in = input_names(call, len(invars))
     transient = backward_timeline(jaxpr, exclude=accounted,
                                   live_inputs=invars[n_state:n_state + len(cts)],
-                                  primal_outputs=outvars[:n_out], rows=rows)
-    return jaxpr, [v.aval for v in residuals], [v.aval for v in fused], transient
+                                  primal_outputs=outvars[:n_out], rows=rows,
+                                  input_names=names_in)
+    names = var_names(jaxpr, names_in)
+    return (jaxpr, [v.aval for v in residuals], [v.aval for v in fused], transient,
+            [_names_of(names, v) for v in residuals], [_names_of(names, v) for v in fused])
 
 
 def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[str, Any]:
@@ -199,19 +252,19 @@ def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[s
     n_state = len(jax.tree.leaves((call.params, call.rest)))
     totals: dict[str, float] = {}
     for policy in policies:
-        jaxpr, res_avals, fused, transient = _residual_avals(call, policy, arrays, rows,
-                                                             outputs=outputs)
+        jaxpr, res_avals, fused, transient, res_names, fused_names = _residual_avals(
+            call, policy, arrays, rows, outputs=outputs)
         traffic = count_traffic(jaxpr, jaxpr.jaxpr.invars[:n_state])
         if rows > 1:
             one, res_one, fused_one, transient_one = _residual_avals(
-                call, policy, one_row, 1, outputs=outputs_one)
+                call, policy, one_row, 1, outputs=outputs_one)[:4]
             traffic_one = count_traffic(one, one.jaxpr.invars[:n_state])
         else:
             res_one = fused_one = traffic_one = None
             transient_one = transient
         out["traffic"][policy] = linear(traffic, traffic_one, rows)
-        out["saved"][policy] = saved_from(res_avals, res_one, rows)
-        out["fused"][policy] = saved_from(fused, fused_one, rows)
+        out["saved"][policy] = saved_from(res_avals, res_one, rows, res_names)
+        out["fused"][policy] = saved_from(fused, fused_one, rows, fused_names)
         out["transient"][policy] = transient.with_batch_dims(
             transient_one if rows > 1 else None)
         fwd, bwd = F.Counts(), F.Counts()
@@ -227,10 +280,10 @@ def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[s
         out["recompute"][policy] = max(0.0, totals[policy] - totals.get("none", totals[policy]))
     out["staged"] = {}
     for policy in (p for p in policies if keeps_layer(p)):  # what a pipeline's stash keeps
-        res = _residual_avals(call, policy, arrays, rows, staged=True, outputs=outputs)[1]
+        staged = _residual_avals(call, policy, arrays, rows, staged=True, outputs=outputs)
         one = _residual_avals(call, policy, one_row, 1, staged=True,
                               outputs=outputs_one)[1] if rows > 1 else None
-        out["staged"][policy] = saved_from(res, one, rows)
+        out["staged"][policy] = saved_from(staged[1], one, rows, staged[4])
     out["probe"] = (_layer_fn(call)[0], _vjp_program(call, "none")[0],
                     (call.params, call.rest, _cotangents(outputs), *arrays))
     return out

@@ -28,9 +28,7 @@ from jax.extend import core as jcore
 from jaxmp._util.arrays import nbytes as _nbytes
 from jaxmp.cost import flops as F
 from jaxmp.cost.fusion import _fusible
-
-_INLINE = ("pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
-           "custom_vjp_call", "custom_vjp_call_jaxpr")
+from jaxmp.cost.splits import INLINE, Names, propagate, whole
 
 
 @dataclass
@@ -49,12 +47,14 @@ class _Flat:
         self.nodes: list[_Node] = []
         self.size: dict[int, int] = {}
         self.shape: dict[int, tuple[int, ...]] = {}
+        self.names: dict[int, Names] = {}  # per dim, the parameter names (cost.splits)
         self._next = 0
 
-    def new(self, aval: Any) -> int:
+    def new(self, aval: Any, names: Names | None = None) -> int:
         self._next += 1
         self.size[self._next] = _nbytes(aval)
         self.shape[self._next] = tuple(int(d) for d in getattr(aval, "shape", ()))
+        self.names[self._next] = names if names is not None else whole(self.shape[self._next])
         return self._next
 
     def add(self, jaxpr: Any, env: dict, stack: str) -> None:
@@ -63,7 +63,7 @@ class _Flat:
             full = f"{stack}/{own}" if stack and own else (stack or own)
             ins = [env[v] for v in eqn.invars if not isinstance(v, jcore.Literal) and v in env]
             subs = F._sub_jaxprs(eqn)
-            if eqn.primitive.name in _INLINE and subs:
+            if eqn.primitive.name in INLINE and subs:
                 sub = subs[0][0]
                 inner = {sv: env[ov] for sv, ov in zip(sub.invars, eqn.invars)
                          if not isinstance(ov, jcore.Literal) and ov in env}
@@ -74,7 +74,10 @@ class _Flat:
                     env[ov] = inner[sv] if not isinstance(sv, jcore.Literal) and sv in inner \
                         else self.new(ov.aval)
                 continue
-            outs = [self.new(v.aval) for v in eqn.outvars]
+            names = propagate(eqn, [None if isinstance(v, jcore.Literal) or v not in env
+                                    else self.names[env[v]] for v in eqn.invars]) \
+                if not subs else [None] * len(eqn.outvars)  # loops: whole
+            outs = [self.new(v.aval, n) for v, n in zip(eqn.outvars, names)]
             env.update(zip(eqn.outvars, outs))
             fusible = _fusible(eqn)
             self.nodes.append(_Node(fusible, ins, outs, F.is_backward(full),
@@ -103,6 +106,7 @@ class Timeline:
     # Per value: 0, or MATMUL (a matmul's operand or result), or GATHERED (a copy of a saved
     # activation a backward matmul reads, which exists only where the sequence is split).
     matmul: tuple[int, ...] = ()
+    names: tuple = ()  # per value, its dims' parameter names (cost.splits); (): not traced
 
     def with_batch_dims(self, one_row: Timeline | None) -> Timeline:
         """Batch dims from the same program traced at one row (values match by position)."""
@@ -112,7 +116,7 @@ class Timeline:
             bdims = tuple(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                           for a, b in zip(self.shapes, one_row.shapes))
         return Timeline(self.starts, self.stops, self.shapes, self.itemsizes, bdims,
-                        self.rows, self.backward_start, self.steps, self.matmul)
+                        self.rows, self.backward_start, self.steps, self.matmul, self.names)
 
     def peak(self, rows: float, divisor: Any = None, upcast_16bit: bool = False) -> float:
         """Largest live bytes during the backward pass at ``rows`` batch rows, each value
@@ -132,12 +136,13 @@ class Timeline:
         for k, (shape, item, bdim, kind) in enumerate(zip(self.shapes, self.itemsizes,
                                                           self.batch_dims, kinds)):
             item = 4 if upcast_16bit and item == 2 else item
-            div = divisor(shape, bdim) if divisor else 1
+            names = self.names[k] if self.names else None
+            div = divisor(shape, bdim, names) if divisor else 1
             if kind:
-                split = whole is not None and whole(shape, bdim) != div
+                split = whole is not None and whole(shape, bdim, names) != div
                 if kind == GATHERED and not (split and regather):
                     continue  # stored whole or split by heads: used in place
-                div = whole(shape, bdim) if split else div
+                div = whole(shape, bdim, names) if split else div
             size = math.prod(shape) * item / div
             if bdim is None:
                 const[k] = size
@@ -164,7 +169,7 @@ class Timeline:
             stops[k] = last
         return Timeline(self.starts, tuple(stops), self.shapes, self.itemsizes,
                         self.batch_dims, self.rows, self.backward_start, self.steps,
-                        self.matmul)
+                        self.matmul, self.names)
 
     def peak_of(self, sizes: tuple[np.ndarray, np.ndarray], rows: float) -> float:
         if self.backward_start >= self.steps or not self.shapes:
@@ -177,18 +182,21 @@ class Timeline:
 
 
 def backward_timeline(jaxpr: Any, exclude: list[Any], live_inputs: list[Any] = (),
-                      primal_outputs: list[Any] = (), rows: int = 1) -> Timeline:
+                      primal_outputs: list[Any] = (), rows: int = 1,
+                      input_names: list[Names | None] = ()) -> Timeline:
     """The live intervals of ``jaxpr``'s materialised values (see the module docstring).
 
     ``exclude`` are values accounted for elsewhere (residuals, parameter gradients, the
     primal output); of the inputs only ``live_inputs`` (the incoming gradients) count. The
     backward pass starts after the last of ``primal_outputs`` is computed (a VJP program runs
     the whole forward first; under remat its backward equations are not marked as such).
+    ``input_names``: the invars' per-dim parameter names (:mod:`jaxmp.cost.splits`).
     """
     if isinstance(jaxpr, jcore.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
     flat = _Flat()
-    env = {v: flat.new(v.aval) for v in jaxpr.invars}
+    given = list(input_names) + [None] * (len(jaxpr.invars) - len(input_names))
+    env = {v: flat.new(v.aval, n) for v, n in zip(jaxpr.invars, given)}
     flat.add(jaxpr, env, "")
     nodes = flat.nodes
     outputs = {env[v] for v in jaxpr.outvars if not isinstance(v, jcore.Literal) and v in env}
@@ -245,7 +253,7 @@ def backward_timeline(jaxpr: Any, exclude: list[Any], live_inputs: list[Any] = (
         for v in n.ins if n.matmul else ():
             if v in skip and flat.size[v]:
                 reads.setdefault(v, []).append(i)
-    starts, stops, shapes, items, kinds = [], [], [], [], []
+    starts, stops, shapes, items, kinds, names = [], [], [], [], [], []
     for v in sorted(material | counted_inputs):  # ids follow program order: traces align
         if v in skip or not flat.size[v]:
             continue
@@ -255,11 +263,13 @@ def backward_timeline(jaxpr: Any, exclude: list[Any], live_inputs: list[Any] = (
         shapes.append(flat.shape[v])
         items.append(flat.size[v] // max(1, math.prod(flat.shape[v])))
         kinds.append(MATMUL if v in beside else 0)
+        names.append(flat.names[v])
     for v, at in sorted(reads.items()):
         starts.append(min(at))
         stops.append(max(at))
         shapes.append(flat.shape[v])
         items.append(flat.size[v] // max(1, math.prod(flat.shape[v])))
         kinds.append(GATHERED)
+        names.append(flat.names[v])
     return Timeline(tuple(starts), tuple(stops), tuple(shapes), tuple(items),
-                    (None,) * len(shapes), rows, bwd, end, tuple(kinds))
+                    (None,) * len(shapes), rows, bwd, end, tuple(kinds), tuple(names))

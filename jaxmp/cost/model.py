@@ -95,8 +95,9 @@ class LayerCost:
         if saved is None:
             return 0.0
         item = 4 if upcast_16bit and self.act_itemsize == 2 else self.act_itemsize
-        return max((math.prod(shape) * item / divisor(shape, bdim) * rows / saved.rows
-                    for shape, bdim in zip(saved.shapes, saved.batch_dims)
+        return max((math.prod(shape) * item / divisor(shape, bdim, saved.names_of(k))
+                    * rows / saved.rows
+                    for k, (shape, bdim) in enumerate(zip(saved.shapes, saved.batch_dims))
                     if bdim is not None), default=0.0)
 
     def to_dict(self) -> dict[str, Any]:

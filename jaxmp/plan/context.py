@@ -169,10 +169,10 @@ class Context:
         return self.cost.seq_len if SEQ in self.cost.activation_names else None
 
     def divisor(self, i: int, fsdp: int, tensor: int, sp: bool):
-        """What splits layer ``i``'s saved values on this mesh (``divisor(shape, batch_dim)``:
-        the tensor split of their tensor-parallel dims, the sequence's under SP)."""
-        return saved_divisor(self.shard(i, fsdp, tensor).tensor_dims, tensor,
-                              (self.seq_len or 0) if sp else 0)
+        """What splits layer ``i``'s saved values on this mesh (:func:`saved_divisor`)."""
+        sh = self.shard(i, fsdp, tensor)
+        return saved_divisor(sh.tensor_dims, tensor, (self.seq_len or 0) if sp else 0,
+                             sh.tensor_names)
 
     def _saved_bytes(self, i: int, remat: str, fsdp: int, tensor: int, rows: float,
                      fused: bool, sp: bool = False, staged: bool = False) -> float:

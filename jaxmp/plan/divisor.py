@@ -11,28 +11,38 @@ tensor 4: the f32 scores were counted whole, +124 % peak, docs/planner.md "Stop 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 
-def saved_divisor(tdims: frozenset[int], tensor: int, seq: int = 0
-                  ) -> Callable[[tuple, int | None], int]:
-    """``divisor(shape, batch_dim)``: ``tensor`` where the array splits over it, else 1.
-    ``tdims``: the sizes of the dims tensor-split weights split; ``seq``: the sequence length
-    with sequence parallelism (0 off), whose dim right after the batch dim is split."""
+def saved_divisor(tdims: frozenset[int], tensor: int, seq: int = 0,
+                  split_names: frozenset[str] | None = None) -> Callable[..., int]:
+    """``divisor(shape, batch_dim, names=None)``: ``tensor`` where the array splits over it,
+    else 1. ``tdims``: the sizes of the dims tensor-split weights split; ``split_names``:
+    their logical names; ``seq``: the sequence length with sequence parallelism (0 off),
+    whose dim right after the batch dim is split; ``names``: the array's per-dim parameter
+    names (:mod:`jaxmp.cost.splits`), None where not traced."""
     def split_dim(size: int) -> bool:
         return size in tdims and size % tensor == 0
 
-    def divisor(shape: tuple, bdim: int | None) -> int:
+    def named(shape: tuple, bdim: int | None, names: tuple) -> bool:
+        sizes = [s for dim, (s, n) in enumerate(zip(shape, names))
+                 if dim != bdim and n & split_names]
+        return bool(sizes) and math.prod(sizes) % tensor == 0
+
+    def divisor(shape: tuple, bdim: int | None, names: tuple | None = None) -> int:
         if tensor <= 1:
             return 1
+        seq_split = seq and bdim is not None and len(shape) > bdim + 1 and \
+            shape[bdim + 1] == seq and seq % tensor == 0
+        if names is not None and split_names is not None:
+            return tensor if seq_split or named(shape, bdim, names) else 1
         dims = [s for dim, s in enumerate(shape) if dim != bdim]
         hit = any(split_dim(s) for s in dims)
         # a split dim factored into two (GQA's [kv_heads, group]); not the last dim, whose
         # product with its neighbour is a head's width, not a head count
         inner = [s for dim, s in enumerate(shape[:-1]) if dim != bdim]
         pair = any(a > 1 and b > 1 and split_dim(a * b) for a, b in zip(inner, inner[1:]))
-        seq_split = seq and bdim is not None and len(shape) > bdim + 1 and \
-            shape[bdim + 1] == seq and seq % tensor == 0
         return tensor if hit or pair or seq_split else 1
 
     return divisor

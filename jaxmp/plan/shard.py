@@ -31,6 +31,7 @@ class LayerShard:
     row_itemsize: int = 4  # bytes per element of its row-parallel matrices (as stored)
     matrices: float = 0.0  # bytes per device of its float32 matmul weights (not lookups)
     n_matrices: int = 0  # its weight matrices, split by tensor or not
+    tensor_names: frozenset[str] = frozenset()  # logical names of the dims tensor splits
 
 
 def resolve_shard(lay: LayerCost, fsdp: int, tensor: int, rules: Sequence, wire: str,
@@ -49,6 +50,7 @@ def resolve_shard(lay: LayerCost, fsdp: int, tensor: int, rules: Sequence, wire:
     weights = rows = n_matrices = 0
     row_item = 4
     tdims: set[int] = set()
+    tnames: set[str] = set()
     # Gathered as stored ("param") with 16-bit compute, a matmul weight's cast moves before
     # its all-gather (XLA) and its gradient is reduced in the matmul's dtype (§7).
     if wire == "param" and compute_dtype == "bfloat16" \
@@ -83,6 +85,7 @@ def resolve_shard(lay: LayerCost, fsdp: int, tensor: int, rules: Sequence, wire:
         split = [d for d, e in enumerate(spec)
                  if e == "tensor" or (isinstance(e, tuple) and "tensor" in e)]
         tdims.update(int(leaf.shape[d]) for d in split)
+        tnames.update(leaf.names[d] for d in split if leaf.names and leaf.names[d])
         # its named dims: a 2-D attention bias (heads, head_dim) named ("kv",) is no matrix
         dims = [d for d, n in enumerate(leaf.names or ()) if n is not None and n != "layers"]
         weights += bool(split) and len(dims) >= 2
@@ -91,4 +94,4 @@ def resolve_shard(lay: LayerCost, fsdp: int, tensor: int, rules: Sequence, wire:
             rows += 1
             row_item = max(1, leaf.nbytes // max(1, math.prod(leaf.shape)))
     return LayerShard(local, gathered, unsharded, weights, rows, frozenset(tdims), gather_wire,
-                  reduce_wire, cast, grads, row_item, matrices, n_matrices)
+                  reduce_wire, cast, grads, row_item, matrices, n_matrices, frozenset(tnames))

@@ -239,9 +239,11 @@ def test_gpu_step_peak_as_predicted(cudnn_step, xla_step):
     float32 partial products [splits, M, N] of the block's small weights (26 of the 27 MiB at
     the peak; docs/planner.md §7 "Stop 29"), which at the 8B shape are negligible: within 3 %
     there.
-    XLA +28 % — a known miss, on the safe side:
-    the cost model's residuals of XLA's attention include float32 S x S arrays the GPU compiler
-    fuses into one bfloat16 one (docs/planner.md). Arguments are exact: the same sharded state.
+    XLA: +30 % while the planner counted JAX's residual list in the layer loop (879 against
+    674 MiB); the GPU stacks the fused set (a float32 and a bfloat16 score array a layer) and
+    its forward body holds that layer's own copies, the float32 logits and the mask and fill
+    hoisted out of the loop beside the stacks (jaxmp.plan.forward; docs/planner.md §7
+    "Stop 35 (Sc3)"): 653 against 674 MiB (-3.1 %). Arguments are exact: the same state.
     """
     for step in (cudnn_step, xla_step):
         m, p = step["measured"], step["plan"].predicted
@@ -249,7 +251,8 @@ def test_gpu_step_peak_as_predicted(cudnn_step, xla_step):
     m, p = cudnn_step["measured"], cudnn_step["plan"].predicted
     assert p.per_device_bytes == pytest.approx(m.peak_bytes, rel=0.27)
     m, p = xla_step["measured"], xla_step["plan"].predicted
-    assert m.peak_bytes <= p.per_device_bytes <= 1.4 * m.peak_bytes
+    assert 0.90 * m.peak_bytes <= p.per_device_bytes <= 1.10 * m.peak_bytes
+    assert any("forward" in part for part in p.working_parts)
 
 
 def test_flash_attention_keeps_no_scores(cudnn_step, xla_step):

@@ -164,9 +164,11 @@ def _cotangents(outputs: list) -> list:
 
 
 def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, staged: bool = False,
-                    outputs: list | None = None) -> tuple[Any, list, list, Timeline]:
-    """The traced program, the residuals it keeps, those that survive fusion, and the peak
-    bytes its backward pass needs beyond them (see :mod:`jaxmp.cost.liveness`);
+                    outputs: list | None = None) -> tuple[Any, list, list, Timeline, Timeline]:
+    """The traced program, the residuals it keeps, those that survive fusion, the peak
+    bytes its backward pass needs beyond them (see :mod:`jaxmp.cost.liveness`), and its
+    forward pass as a loop body runs it (the fused residuals live to its end, where they are
+    copied into their stacks; the loop-invariant values hoisted before it);
     ``outputs``: the layer's :func:`_outputs` at ``arrays``, if known."""
     run, keep = _vjp_program(call, policy, staged)
     outputs = _outputs(call, arrays) if outputs is None else outputs
@@ -187,7 +189,11 @@ def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, stage
     transient = backward_timeline(jaxpr, exclude=accounted,
                                   live_inputs=invars[n_state:n_state + len(cts)],
                                   primal_outputs=outvars[:n_out], rows=rows)
-    return jaxpr, [v.aval for v in residuals], [v.aval for v in fused], transient
+    anchors = {id(v) for v in fused}
+    forward = backward_timeline(jaxpr, exclude=[v for v in accounted if id(v) not in anchors],
+                                primal_outputs=outvars[:n_out], rows=rows, kept=fused,
+                                hoist=True)
+    return jaxpr, [v.aval for v in residuals], [v.aval for v in fused], transient, forward
 
 
 def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[str, Any]:
@@ -195,25 +201,26 @@ def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[s
     one_row = with_rows(arrays, rows, 1) if rows > 1 else arrays
     outputs, outputs_one = _outputs(call, arrays), _outputs(call, one_row) if rows > 1 else None
     out: dict[str, Any] = {"saved": {}, "fused": {}, "recompute": {}, "transient": {},
-                          "skipped": {}, "traffic": {}}
+                          "forward": {}, "skipped": {}, "traffic": {}}
     n_state = len(jax.tree.leaves((call.params, call.rest)))
     totals: dict[str, float] = {}
     for policy in policies:
-        jaxpr, res_avals, fused, transient = _residual_avals(call, policy, arrays, rows,
-                                                             outputs=outputs)
+        jaxpr, res_avals, fused, transient, forward = _residual_avals(
+            call, policy, arrays, rows, outputs=outputs)
         traffic = count_traffic(jaxpr, jaxpr.jaxpr.invars[:n_state])
         if rows > 1:
-            one, res_one, fused_one, transient_one = _residual_avals(
+            one, res_one, fused_one, transient_one, forward_one = _residual_avals(
                 call, policy, one_row, 1, outputs=outputs_one)
             traffic_one = count_traffic(one, one.jaxpr.invars[:n_state])
         else:
             res_one = fused_one = traffic_one = None
-            transient_one = transient
+            transient_one, forward_one = transient, forward
         out["traffic"][policy] = linear(traffic, traffic_one, rows)
         out["saved"][policy] = saved_from(res_avals, res_one, rows)
         out["fused"][policy] = saved_from(fused, fused_one, rows)
         out["transient"][policy] = transient.with_batch_dims(
             transient_one if rows > 1 else None)
+        out["forward"][policy] = forward.with_batch_dims(forward_one if rows > 1 else None)
         fwd, bwd = F.Counts(), F.Counts()
         for leaf in F.iter_eqns(jaxpr):
             (bwd if F.is_backward(leaf.name_stack) else fwd).__iadd__(

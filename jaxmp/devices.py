@@ -77,6 +77,12 @@ class DeviceProfile:
     # XLA's GPU scheduler takes the head's weight gradient after the last block's backward
     # (jaxmp.plan.head). XLA:CPU is not measured for it and keeps the old model.
     holds_head_gradient: bool = True
+    # A scanned layer stack stores only the residuals that survive fusion (LayerCost.fused:
+    # with XLA attention two score arrays a layer, not JAX's three and the mask), and its
+    # forward body holds the layer's own copies of them beside the stacks, with the
+    # loop-invariant mask and fill hoisted before the loop (jaxmp.plan.forward;
+    # docs/planner.md §7 "Stop 35 (Sc3)"). XLA:CPU stores JAX's residual list.
+    scan_keeps_fused: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,12 +126,13 @@ PROFILES: dict[str, DeviceProfile] = {
                          usable_fraction=0.8, efficiency=0.5, overlap=False, shared_host=True,
                          upcasts_16bit=True, reassociates_all_reduce=False,
                          updates_in_place=False,
-                         holds_scores=False, holds_head_gradient=False),
+                         holds_scores=False, holds_head_gradient=False,
+                         scan_keeps_fused=False),
 }
 OVERRIDABLE = tuple(f.name for f in dataclasses.fields(DeviceProfile)
                     if f.name not in ("kind", "shared_host", "upcasts_16bit", "overlap",
                                       "updates_in_place", "holds_scores", "matmul_ceiling",
-                                      "holds_head_gradient"))
+                                      "holds_head_gradient", "scan_keeps_fused"))
 
 
 def match_kind(device_kind: str) -> str | None:

@@ -160,6 +160,29 @@ def test_fusion_and_backward_working_set(mid_cost):
         peaks["none"] / 2)
 
 
+def test_a_loop_body_holds_its_fused_residuals_and_the_hoisted_mask(mid_cost):
+    """A scanned block's forward as the GPU's layer loop runs it (``LayerCost.forward``,
+    jaxmp.plan.forward): its fused residuals live to the body's end (copied into their
+    stacks there), and the causal mask and its fill value at the scores' shape, which no
+    input feeds, are live from the start (XLA hoists them out of the loop; docs/planner.md §7
+    "Stop 35 (Sc3)"). Grouped-query scores are told apart (jaxmp.plan.scan keeps JAX's list)."""
+    from jaxmp.cost.fusion import grouped_scores
+
+    block = mid_cost.layers[1]
+    body = block.forward["none"]
+    scores = (B, MID.heads, S, S)
+    hoisted = [(shape, item) for shape, item, start in zip(body.shapes, body.itemsizes,
+                                                           body.starts)
+               if start == 0 and shape[-2:] == (S, S)]
+    assert sorted(item for _, item in hoisted) == [1, 4]  # the mask and the float32 fill
+    assert all(np.prod(shape) == np.prod(scores) for shape, _ in hoisted)
+    peak = body.peak_of(body.sizes(), B, forward=True)
+    assert peak >= block.fused["none"].bytes_at(B) + np.prod(scores) * (1 + 4)
+    assert grouped_scores([(4, B, 2, S, S)], [1], S)
+    assert not grouped_scores([(1, B, MID.heads, S, S)], [1], S)
+    assert not grouped_scores([(B, S, MID.heads, 64)], [0], S)
+
+
 def test_costs_scale_with_rows(mid_cost):
     half = model_costs(lambda r: GPT(MID, rngs=r), _batch(B // 2), lm_loss,
                        policies=("none",))

@@ -79,3 +79,12 @@ def kept_values(jaxpr: Any, residuals: Sequence[Any], exclude: Iterable[Any] = (
             kept |= anchors_of(r)
     kept -= set(exclude)
     return sorted(kept, key=lambda v: order.get(v, -1))
+
+
+def grouped_scores(shapes: Sequence[tuple[int, ...]], batch_dims: Sequence[int | None],
+                   seq: int) -> bool:
+    """Whether any of these arrays is grouped-query attention's scores: ``[..., seq, seq]``
+    with two dims besides the batch's above one (XLA's ``[kv_heads, group]`` pair)."""
+    return any(len(s) >= 4 and s[-2:] == (seq, seq)
+               and sum(d > 1 for k, d in enumerate(s[:-2]) if k != b) >= 2
+               for s, b in zip(shapes, batch_dims))

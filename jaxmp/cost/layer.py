@@ -209,10 +209,13 @@ def input_names(call: LayerCall, n_inputs: int) -> list[Names | None]:
 
 
 def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, staged: bool = False,
-                    outputs: list | None = None) -> tuple[Any, list, list, Timeline, list, list]:
+                    outputs: list | None = None
+                    ) -> tuple[Any, list, list, Timeline, Timeline, list, list]:
     """The traced program, the residuals it keeps, those that survive fusion, the peak
-    bytes its backward pass needs beyond them (see :mod:`jaxmp.cost.liveness`), and the
-    residuals' and survivors' per-dim parameter names (:mod:`jaxmp.cost.splits`);
+    bytes its backward pass needs beyond them (see :mod:`jaxmp.cost.liveness`), its forward
+    pass as a loop body runs it (the fused residuals live to its end, where they are copied
+    into their stacks; the loop-invariant values hoisted before it), and the residuals' and
+    survivors' per-dim parameter names (:mod:`jaxmp.cost.splits`);
     ``outputs``: the layer's :func:`_outputs` at ``arrays``, if known."""
     run, keep = _vjp_program(call, policy, staged)
     outputs = _outputs(call, arrays) if outputs is None else outputs
@@ -238,8 +241,12 @@ def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, stage
                                   live_inputs=invars[n_state:n_state + len(cts)],
                                   primal_outputs=outvars[:n_out], rows=rows,
                                   input_names=names_in)
+    anchors = {id(v) for v in fused}
+    forward = backward_timeline(jaxpr, exclude=[v for v in accounted if id(v) not in anchors],
+                                primal_outputs=outvars[:n_out], rows=rows, kept=fused,
+                                hoist=True, input_names=names_in)
     names = var_names(jaxpr, names_in)
-    return (jaxpr, [v.aval for v in residuals], [v.aval for v in fused], transient,
+    return (jaxpr, [v.aval for v in residuals], [v.aval for v in fused], transient, forward,
             [_names_of(names, v) for v in residuals], [_names_of(names, v) for v in fused])
 
 
@@ -248,25 +255,26 @@ def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[s
     one_row = with_rows(arrays, rows, 1) if rows > 1 else arrays
     outputs, outputs_one = _outputs(call, arrays), _outputs(call, one_row) if rows > 1 else None
     out: dict[str, Any] = {"saved": {}, "fused": {}, "recompute": {}, "transient": {},
-                          "skipped": {}, "traffic": {}}
+                          "forward": {}, "skipped": {}, "traffic": {}}
     n_state = len(jax.tree.leaves((call.params, call.rest)))
     totals: dict[str, float] = {}
     for policy in policies:
-        jaxpr, res_avals, fused, transient, res_names, fused_names = _residual_avals(
+        jaxpr, res_avals, fused, transient, forward, res_names, fused_names = _residual_avals(
             call, policy, arrays, rows, outputs=outputs)
         traffic = count_traffic(jaxpr, jaxpr.jaxpr.invars[:n_state])
         if rows > 1:
-            one, res_one, fused_one, transient_one = _residual_avals(
-                call, policy, one_row, 1, outputs=outputs_one)[:4]
+            one, res_one, fused_one, transient_one, forward_one = _residual_avals(
+                call, policy, one_row, 1, outputs=outputs_one)[:5]
             traffic_one = count_traffic(one, one.jaxpr.invars[:n_state])
         else:
             res_one = fused_one = traffic_one = None
-            transient_one = transient
+            transient_one, forward_one = transient, forward
         out["traffic"][policy] = linear(traffic, traffic_one, rows)
         out["saved"][policy] = saved_from(res_avals, res_one, rows, res_names)
         out["fused"][policy] = saved_from(fused, fused_one, rows, fused_names)
         out["transient"][policy] = transient.with_batch_dims(
             transient_one if rows > 1 else None)
+        out["forward"][policy] = forward.with_batch_dims(forward_one if rows > 1 else None)
         fwd, bwd = F.Counts(), F.Counts()
         for leaf in F.iter_eqns(jaxpr):
             (bwd if F.is_backward(leaf.name_stack) else fwd).__iadd__(
@@ -283,7 +291,7 @@ def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[s
         staged = _residual_avals(call, policy, arrays, rows, staged=True, outputs=outputs)
         one = _residual_avals(call, policy, one_row, 1, staged=True,
                               outputs=outputs_one)[1] if rows > 1 else None
-        out["staged"][policy] = saved_from(staged[1], one, rows, staged[4])
+        out["staged"][policy] = saved_from(staged[1], one, rows, staged[5])
     out["probe"] = (_layer_fn(call)[0], _vjp_program(call, "none")[0],
                     (call.params, call.rest, _cotangents(outputs), *arrays))
     return out

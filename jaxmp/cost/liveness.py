@@ -171,19 +171,23 @@ class Timeline:
                         self.batch_dims, self.rows, self.backward_start, self.steps,
                         self.matmul, self.names)
 
-    def peak_of(self, sizes: tuple[np.ndarray, np.ndarray], rows: float) -> float:
-        if self.backward_start >= self.steps or not self.shapes:
+    def peak_of(self, sizes: tuple[np.ndarray, np.ndarray], rows: float,
+                forward: bool = False) -> float:
+        """The largest live bytes in the backward pass (``forward``: before it)."""
+        lo, hi = (0, self.backward_start) if forward else (self.backward_start, self.steps)
+        if lo >= hi or not self.shapes:
             return 0.0
         weight = sizes[0] + sizes[1] * rows
         n = self.steps + 2
         delta = (np.bincount(self.starts, weight, n)
                  - np.bincount(np.asarray(self.stops) + 1, weight, n))
-        return float(np.cumsum(delta)[self.backward_start:self.steps].max())
+        return float(np.cumsum(delta)[lo:hi].max())
 
 
 def backward_timeline(jaxpr: Any, exclude: list[Any], live_inputs: list[Any] = (),
                       primal_outputs: list[Any] = (), rows: int = 1,
-                      input_names: list[Names | None] = ()) -> Timeline:
+                      input_names: list[Names | None] = (), kept: list[Any] = (),
+                      hoist: bool = False) -> Timeline:
     """The live intervals of ``jaxpr``'s materialised values (see the module docstring).
 
     ``exclude`` are values accounted for elsewhere (residuals, parameter gradients, the
@@ -191,6 +195,10 @@ def backward_timeline(jaxpr: Any, exclude: list[Any], live_inputs: list[Any] = (
     backward pass starts after the last of ``primal_outputs`` is computed (a VJP program runs
     the whole forward first; under remat its backward equations are not marked as such).
     ``input_names``: the invars' per-dim parameter names (:mod:`jaxmp.cost.splits`).
+    ``kept`` live to the end (a loop body's residuals, copied into their stacks at its end);
+    ``hoist``: the values the forward reads that no input feeds (masks, broadcast fill
+    values) are live from the start, as a loop holds what XLA's loop-invariant code motion
+    took out of its body (:func:`hoisted`).
     """
     if isinstance(jaxpr, jcore.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
@@ -200,6 +208,7 @@ def backward_timeline(jaxpr: Any, exclude: list[Any], live_inputs: list[Any] = (
     flat.add(jaxpr, env, "")
     nodes = flat.nodes
     outputs = {env[v] for v in jaxpr.outvars if not isinstance(v, jcore.Literal) and v in env}
+    outputs |= {env[v] for v in kept if not isinstance(v, jcore.Literal) and v in env}
     skip = {env[v] for v in exclude if not isinstance(v, jcore.Literal) and v in env}
     counted_inputs = {env[v] for v in live_inputs}
     producer = {o: i for i, n in enumerate(nodes) for o in n.outs}
@@ -207,9 +216,15 @@ def backward_timeline(jaxpr: Any, exclude: list[Any], live_inputs: list[Any] = (
     for i, n in enumerate(nodes):
         for v in n.ins:
             readers.setdefault(v, []).append(i)
+    end = len(nodes)
+    primal = [producer[env[v]] for v in primal_outputs
+              if not isinstance(v, jcore.Literal) and env.get(v) in producer]
+    bwd = max(primal) + 1 if primal else next(
+        (i for i, n in enumerate(nodes) if n.backward), end)
+    invariant = hoisted(nodes, bwd, {env[v] for v in jaxpr.invars}) if hoist else set()
     material = {v for i, n in enumerate(nodes) for v in n.outs
                 if not n.fusible or v in outputs
-                or any(not nodes[j].fusible for j in readers.get(v, []))}
+                or any(not nodes[j].fusible for j in readers.get(v, []))} | invariant
     # Where each materialised value is last read: a fused chain reads its anchors when the
     # materialising node at its end runs.
     last: dict[int, int] = {}
@@ -241,11 +256,6 @@ def backward_timeline(jaxpr: Any, exclude: list[Any], live_inputs: list[Any] = (
         for v in n.ins:
             for a in anchors_of(v):
                 last[a] = max(last.get(a, -1), i)
-    end = len(nodes)
-    primal = [producer[env[v]] for v in primal_outputs
-              if not isinstance(v, jcore.Literal) and env.get(v) in producer]
-    bwd = max(primal) + 1 if primal else next(
-        (i for i, n in enumerate(nodes) if n.backward), end)
     beside = {v for n in nodes if n.matmul for v in (*n.ins, *n.outs)}
     # the saved activations the backward's matmuls read: first and last such read
     reads: dict[int, list[int]] = {}
@@ -255,11 +265,12 @@ def backward_timeline(jaxpr: Any, exclude: list[Any], live_inputs: list[Any] = (
                 reads.setdefault(v, []).append(i)
     starts, stops, shapes, items, kinds, names = [], [], [], [], [], []
     for v in sorted(material | counted_inputs):  # ids follow program order: traces align
-        if v in skip or not flat.size[v]:
+        if v in skip and v not in invariant or not flat.size[v]:
             continue
-        start = producer.get(v, 0)
+        start = 0 if v in invariant else producer.get(v, 0)
         starts.append(start)
-        stops.append(end - 1 if v in outputs else max(last.get(v, start), start))
+        stops.append(end - 1 if v in outputs else max(last.get(v, start), start,
+                                                      bwd - 1 if v in invariant else 0))
         shapes.append(flat.shape[v])
         items.append(flat.size[v] // max(1, math.prod(flat.shape[v])))
         kinds.append(MATMUL if v in beside else 0)
@@ -273,3 +284,17 @@ def backward_timeline(jaxpr: Any, exclude: list[Any], live_inputs: list[Any] = (
         names.append(flat.names[v])
     return Timeline(tuple(starts), tuple(stops), tuple(shapes), tuple(items),
                     (None,) * len(shapes), rows, bwd, end, tuple(kinds), tuple(names))
+
+
+def hoisted(nodes: list[_Node], forward_end: int, inputs: set[int]) -> set[int]:
+    """Values no input feeds (iotas, broadcast constants: a causal mask, a fill value) that a
+    node of the forward pass reading an input-fed value reads: what XLA's loop-invariant code
+    motion materialises once before a loop whose body computes them (the GPU's layer loop:
+    a causal attention's mask and its ``-inf`` fill at the scores' shape, docs/planner.md §7
+    "Stop 35 (Sc3)")."""
+    fed = set(inputs)
+    for n in nodes:
+        if any(v in fed for v in n.ins):
+            fed.update(n.outs)
+    return {v for n in nodes[:forward_end] if any(v in fed for v in n.ins)
+            for v in n.ins if v not in fed}

@@ -68,6 +68,9 @@ class LayerCost:
     # Live values of the layer's backward pass beyond its saved activations and parameter
     # gradients, per remat policy (their peak: the working set). Empty: unknown.
     transient: dict[str, Any] = field(default_factory=dict)
+    # Per remat policy, the layer's forward pass as a loop body (a Timeline: what it holds
+    # beside the stacks, jaxmp.plan.forward). Empty: unknown.
+    forward: dict[str, Any] = field(default_factory=dict)
     # Per remat policy, the FLOPs counted in ``flops`` that fused kernels skip (causal masks).
     skipped_flops: dict[str, float] = field(default_factory=dict)
     # What a pipeline's stash keeps of it, per remat policy, where that differs from ``saved``
@@ -358,7 +361,7 @@ def model_costs(model: Any, batch: Any, loss_fn: Callable | None = None,
                 transcendentals=a["transcendentals"], recompute_flops=dict(a["recompute"]),
                 skipped_flops=dict(a["skipped"]),
                 saved=dict(a["saved"]), fused=dict(a["fused"]),
-                transient=dict(a["transient"]), staged=dict(a["staged"]), params=leaves,
+                transient=dict(a["transient"]), forward=dict(a["forward"]), staged=dict(a["staged"]), params=leaves,
                 traffic=dict(a["traffic"]),
                 share=1.0 / count,
                 param_count=float(sum(math.prod(x.shape) for x in leaves)) / count,

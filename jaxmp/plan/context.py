@@ -34,6 +34,7 @@ from jaxmp.plan.lookup import lookup_wire_bytes
 from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
                                reduction)
 from jaxmp.plan.master import itemsize, master_weights_of
+from jaxmp.plan.scan import stores_fused
 from jaxmp.remat import keeps_layer
 from jaxmp.sharding.optimizer import data_dim
 from jaxmp.sharding.sequence import SEQ
@@ -47,7 +48,7 @@ class LayerTable:
 
     kept: np.ndarray  # activations kept for the backward as the layer runs (fused outside a
     # loop), plus fsdp-gathered weights kept for it
-    saved: np.ndarray  # activations a scan stores for the backward
+    saved: np.ndarray  # activations a scan stores for the backward (fused ones on GPUs)
     work: np.ndarray  # the backward working set: transient + gathered weights and their grads
     transient: np.ndarray  # live values of the backward beyond saved activations
     time: np.ndarray  # compute seconds with the tensor all-reduces on the critical path
@@ -164,8 +165,7 @@ class Context:
 
     @property
     def seq_len(self) -> int | None:
-        """The sequence length sequence parallelism could split: the model's, when its
-        activations name the sequence dim (:data:`jaxmp.sharding.sequence.SEQ`); else None."""
+        """The sequence length sequence parallelism could split (its activations name it)."""
         return self.cost.seq_len if SEQ in self.cost.activation_names else None
 
     def divisor(self, i: int, fsdp: int, tensor: int, sp: bool):
@@ -227,8 +227,7 @@ class Context:
         computed once per group of identical layers and cached; ``staged``: run in a
         pipeline's ticks."""
         return self.cached(("table", remat, data, fsdp, tensor, microbatches, sp, staged),
-                           lambda: self._table(remat, data, fsdp, tensor, microbatches, sp,
-                                               staged))
+                           lambda: self._table(remat, data, fsdp, tensor, microbatches, sp, staged))
 
     def _table(self, remat: str, data: int, fsdp: int, tensor: int,
                microbatches: int, sp: bool, staged: bool) -> LayerTable:
@@ -240,7 +239,8 @@ class Context:
         per_group = []
         for i in self.first:
             lay, sh = cost.layers[i], self.shard(i, fsdp, tensor)
-            saved = self._saved_bytes(i, remat, fsdp, tensor, rows, False, sp, staged)
+            saved = self._saved_bytes(i, remat, fsdp, tensor, rows, not staged and stores_fused(
+                self.profile, lay, remat, cost.seq_len), sp, staged)  # (the GPU's scans)
             act = self._saved_bytes(i, remat, fsdp, tensor, rows, True, sp) \
                 if not lay.in_loop else saved
             io = max(lay.boundary_bytes, lay.input_bytes) * rows / cost.rows

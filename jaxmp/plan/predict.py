@@ -44,6 +44,7 @@ import numpy as np
 
 from jaxmp.mesh import AXES
 from jaxmp.plan.context import Context, LayerTable, zero_divisor
+from jaxmp.plan.forward import forward_work
 from jaxmp.plan.head import deferred_head_grads, held_below_head
 from jaxmp.plan.layout import Layout
 from jaxmp.plan.master import MasterTerms, master_terms
@@ -85,6 +86,13 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     head = held_below_head(ctx, data, fsdp, tensor, microbatches, layout.sequence_parallel)
     deferred = deferred_head_grads(ctx, np.where(ctx.tied, 0.0, table.grads), head)
     phase = Phases(phase.live, phase.grads - deferred, phase.total + head - deferred)
+    # a scanned stack's forward body beside its whole stacks, where larger (GPUs; forward.py)
+    body = forward_work(ctx, layout.remat, fsdp, tensor,
+                        cost.rows / (data * fsdp * microbatches), layout.sequence_parallel)
+    forward = np.where(body > 0, phase.live + body, 0.0)
+    in_forward = float(forward.max()) > float(phase.total.max())
+    if in_forward:
+        phase = Phases(phase.live, np.zeros_like(phase.grads), forward)
     k = int(np.argmax(phase.total))
     # the data reduction in flight beside that backward: its layer's gradients (update.py)
     accumulator, update = update_terms(ctx, m, params, layout, zero, microbatches > 1,
@@ -93,15 +101,20 @@ def predict(ctx: Context, layout: Layout) -> Prediction:
     during = cast + accumulator + float(phase.total[k])
     name = cost.layers[k].group or cost.layers[k].name
     if during >= update:
-        acts, grads = float(phase.live[k]), float(phase.grads[k]) + accumulator
-        working = float(table.work[k]) + cast + float(head[k])
-        gathered = float(table.work[k] - table.transient[k])
-        working_parts = {f"{name} backward": float(table.transient[k])}
-        if head[k]:
-            working_parts["the head's output gradient, held to its weight gradient"] = \
-                float(head[k])
-        if gathered:
-            working_parts[f"{name} fsdp-gathered weights + grads"] = gathered
+        acts = float(phase.live[k])
+        if in_forward:
+            grads, working = accumulator, float(body[k]) + cast
+            working_parts = {f"{name} forward, beside the stacks": float(body[k])}
+        else:
+            grads = float(phase.grads[k]) + accumulator
+            working = float(table.work[k]) + cast + float(head[k])
+            gathered = float(table.work[k] - table.transient[k])
+            working_parts = {f"{name} backward": float(table.transient[k])}
+            if head[k]:
+                working_parts["the head's output gradient, held to its weight gradient"] = \
+                    float(head[k])
+            if gathered:
+                working_parts[f"{name} fsdp-gathered weights + grads"] = gathered
         if cast - m.copy:
             working_parts["narrow copies of the fsdp shards"] = cast - m.copy
         if m.copy:

@@ -143,10 +143,36 @@ def test_fsdp_with_accumulating_microbatches_gets_three_collectives_in_flight():
         return Layout(mesh_items(sizes), "full", mb)
 
     limit = "xla_gpu_experimental_parallel_collective_overlap_limit"
-    assert layout(2, fsdp=4, tensor=2).xla_flags == FSDP_ACCUMULATION_GPU_FLAGS
+    assert layout(2, fsdp=4, tensor=2).xla_flags.split()[0] == FSDP_ACCUMULATION_GPU_FLAGS
     for other in (layout(1, fsdp=8), layout(4, data=2, tensor=4), layout(4, 2, fsdp=4)):
-        assert other.xla_flags == ""  # 1 microbatch, no fsdp, the pipeline takes them
+        # 1 microbatch, no fsdp, the pipeline takes them
+        assert FSDP_ACCUMULATION_GPU_FLAGS not in other.xla_flags
         assert gpu_compile_options("", other.xla_flags)[limit] == 2
     plan_flags = layout(2, fsdp=8).xla_flags
     assert gpu_compile_options("", plan_flags)[limit] == 3
     assert gpu_compile_options(f"--{limit}=2", plan_flags)[limit] == 2  # the config's wins
+
+
+def test_fsdp_without_stages_runs_one_layer_per_loop_iteration():
+    """Layer loops are double-buffered (two layers an iteration) except where fsdp gathers
+    weights without pipeline stages: there the next iteration's gather was left after the
+    body's last matmul, exposed (docs/planner.md §7 "Stop 35 (Db)"). The plan's flag turns it
+    off for those layouts only, the config's and ``XLA_FLAGS`` still win, and the memory model
+    reads the same decision (``Layout.double_buffered``)."""
+    from jaxmp._util.env import SINGLE_LAYER_BODY_GPU_FLAGS, gpu_compile_options
+    from jaxmp.plan.layout import Layout, mesh_items
+
+    def layout(mb: int, stage: int = 1, **mesh: int) -> Layout:
+        sizes = {"data": 1, "stage": stage, "fsdp": 1, "tensor": 1, **mesh}
+        return Layout(mesh_items(sizes), "full", mb)
+
+    db = "xla_gpu_enable_while_loop_double_buffering"
+    assert gpu_compile_options()[db] is True  # jaxmp's default
+    for single in (layout(1, fsdp=8), layout(4, fsdp=4, tensor=2), layout(2, data=2, fsdp=4)):
+        assert not single.double_buffered
+        assert SINGLE_LAYER_BODY_GPU_FLAGS in single.xla_flags.split()
+        assert gpu_compile_options("", single.xla_flags)[db] is False
+        assert gpu_compile_options(f"--{db}=true", single.xla_flags)[db] is True
+    for double in (layout(4, data=2, tensor=4), layout(4, 2, fsdp=4), layout(1, data=8)):
+        assert double.double_buffered and SINGLE_LAYER_BODY_GPU_FLAGS not in double.xla_flags
+        assert gpu_compile_options("", double.xla_flags)[db] is True

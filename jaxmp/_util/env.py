@@ -65,6 +65,13 @@ GPU_XLA_FLAGS = " ".join([
 # layer's fsdp gather started after the last matmul: Llama-3-70B's shape, fsdp 16 x tensor 4,
 # 2 microbatches, 4 layers: 4 of 8 layer-loop gathers exposed → 0 (§7 "Stop 29", "Stop 31").
 FSDP_ACCUMULATION_GPU_FLAGS = "--xla_gpu_experimental_parallel_collective_overlap_limit=3"
+# What a plan with fsdp > 1 and no pipeline stages adds (``Layout.xla_flags``): layer loops
+# not double-buffered, one layer an iteration. Double-buffered, the body runs two layers and
+# the scheduler issued the next iteration's weight gather after the body's last matmul: c9 on
+# 16 A100s 3 of 4 layer-loop gathers exposed, c7 6 of 8, the 8-H100 test's fsdp 8 2 of 4; one
+# layer an iteration, each gather starts at the top of the previous one: 0 exposed, peaks
+# +0 ... +3 % (docs/planner.md §7 "Stop 34 (Xg)", "Stop 35 (Db)"). Both jaxlibs spell it so.
+SINGLE_LAYER_BODY_GPU_FLAGS = "--xla_gpu_enable_while_loop_double_buffering=false"
 # Flags of GPU_XLA_FLAGS that only some jaxlib versions know: dropped without a word.
 VERSIONED_GPU_FLAGS = frozenset(_OLD_PIPELINING + _NEW_PIPELINING)
 GPU_FLAG_PREFIX = "--xla_gpu_"

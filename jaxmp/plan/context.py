@@ -31,8 +31,8 @@ from jaxmp.plan.divisor import saved_divisor
 from jaxmp.plan.gemm import compute_seconds
 from jaxmp.plan.links import link_bw
 from jaxmp.plan.lookup import lookup_wire_bytes
-from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
-                               reduction)
+from jaxmp.plan.layout import (Layout, double_buffered, effective_compression, mesh_items,
+                               optimizer_sharding, reduction)
 from jaxmp.plan.master import itemsize, master_weights_of
 from jaxmp.plan.scan import stores_fused
 from jaxmp.remat import keeps_layer
@@ -101,11 +101,9 @@ class Context:
             self.compression,
             list({leaf.path: (leaf.shape, leaf.names) for lay in cost.layers
                   for leaf in lay.params}.values()))
-        self.weights, self.compute_dtype = weights, compute_dtype
-        self.profile = profile
-        self.n = n_devices
+        self.weights, self.compute_dtype, self.profile = weights, compute_dtype, profile
+        self.n, self.balance = n_devices, balance
         self.rules = sharding.normalize_rules(rules)
-        self.balance = balance
         layers = cost.layers
         groups: dict[str, int] = {}
         self.group_of = np.array([groups.setdefault(lay.group or lay.name, len(groups))
@@ -197,7 +195,7 @@ class Context:
             i].largest_value(rows, self.divisor(i, fsdp, tensor, sp), self.profile.upcasts_16bit))
 
     def _transient(self, i: int, remat: str, fsdp: int, tensor: int, rows: float,
-                   io: float, sp: bool = False) -> float:
+                   io: float, sp: bool, staged: bool) -> float:
         """Peak extra bytes of layer i's backward pass at ``rows`` (jaxmp.cost.liveness)."""
         lay = self.cost.layers[i]
         if remat not in lay.transient:  # the root's code: its gradients mirror what it keeps,
@@ -209,10 +207,13 @@ class Context:
         # With the sequence split, a matmul's activation operands and results stay whole
         # (gathered inputs, partial sums before the reduce-scatter; jaxmp.cost.liveness).
         whole = self.divisor(i, fsdp, tensor, False) if sp else None
-        base = lay.transient[remat]  # GPUs hold the scores together (DeviceProfile)
+        # GPUs' double-buffered layer loops hold the scores together (DeviceProfile.holds_scores);
+        # one layer an iteration frees them as the jaxpr does (docs/planner.md §7, Stop 35)
+        base, held = lay.transient[remat], self.profile.holds_scores and double_buffered(
+            fsdp, staged)
         timeline = self.cached(("timeline", i, remat), lambda: base.held_together(
-            self.cost.seq_len)) if self.profile.holds_scores else base
-        sizes = self.cached(("transient", i, remat, fsdp, tensor, sp),
+            self.cost.seq_len)) if held else base
+        sizes = self.cached(("transient", i, remat, fsdp, tensor, sp, held),
                             lambda: timeline.sizes(div, self.profile.upcasts_16bit, whole,
                                                    self.profile.reassociates_all_reduce))
         return timeline.peak_of(sizes, rows)
@@ -246,7 +247,7 @@ class Context:
             io = max(lay.boundary_bytes, lay.input_bytes) * rows / cost.rows
             if self.profile.upcasts_16bit and lay.act_itemsize == 2:
                 io *= 2
-            transient = self._transient(i, remat, fsdp, tensor, rows, io, sp)
+            transient = self._transient(i, remat, fsdp, tensor, rows, io, sp, staged)
             # Outside a loop an fsdp-gathered weight is gathered once and kept for the backward
             # pass, unless remat re-runs the layer's matmuls (saving less than without one; not
             # "selective"): then it is gathered again. Inside a loop it is gathered again, unless
@@ -315,8 +316,8 @@ class Context:
         """The executor's stage split of this model: the folded per-layer table (``pre``, each
         block, ``post``) cut by training FLOPs at ``remat`` (or layer count: ``balance``)."""
         def make() -> StageSplit:
-            flops = [lay.flops(remat) for lay in self.cost.layers]
-            return split_layers(fold(flops, self.span), stages, virtual, self.balance)
+            return split_layers(fold([lay.flops(remat) for lay in self.cost.layers], self.span),
+                                stages, virtual, self.balance)
 
         return self.cached(("split", remat, stages, virtual), make)
 
@@ -380,8 +381,7 @@ class Context:
         def sums() -> tuple[float, float]:
             own = np.where(self.tied, 0.0, self.table("none", 1, fsdp, tensor, 1).param_local)
             outside = np.ones(len(own), bool)
-            if self.span is not None:
-                outside[self.span[0]:self.span[1]] = False
+            outside[slice(*self.span) if self.span is not None else slice(0, 0)] = False
             return float(own[outside].sum()), float((own * self.opt_ratio)[outside].sum())
 
         return self.cached(("outside", fsdp, tensor), sums)

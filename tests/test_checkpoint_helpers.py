@@ -39,10 +39,13 @@ class Bigram(nnx.Module):
 
 
 def subprocess_env(devices: int = 8) -> dict[str, str]:
+    # here, not at the top: subprocesses import this module, and conftest sets 8 devices
+    from conftest import FAST_COMPILE_FLAGS
+
     env = dict(os.environ)
     path = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.update(PYTHONPATH=path,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE_FLAGS}",
                JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=JAX_CACHE,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1")
     return env

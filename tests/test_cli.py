@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FAST_COMPILE_FLAGS
+
 SMALL = ["--set", "train.steps=24", "--set", "logging.every=4", "--set", "train.eval_every=12",
          "--set", "model.layers=2", "--set", "model.d_model=64", "--set", "train.batch_size=8",
          "--set", "data.seq_len=64", "--set", "checkpoint.enabled=false"]
 
 
 def jaxmp(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "XLA_FLAGS": "", **(env or {})}
+    full_env = {**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS, **(env or {})}
     return subprocess.run([sys.executable, "-m", "jaxmp.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=full_env)
 

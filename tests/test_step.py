@@ -1,6 +1,8 @@
 """A sharded train step equals the single-device step (float32, tight tolerance)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -20,15 +22,16 @@ from helpers import gpt_fn, lm_batch, one_device
 # would flip it. 1e-4 keeps the update a smooth function of the gradient, as the test needs.
 OPT = OptimizerConfig(lr=1e-3, warmup_steps=1, eps=1e-4)
 MESHES = [{"data": 8}, {"fsdp": 8}, {"tensor": 8}, {"data": 2, "fsdp": 2, "tensor": 2}]
+D2F2T2 = MESHES[-1]
 
 
-def _run(axes: dict, devices=None, steps: int = 3, grad_accum: int = 1, batch=None,
+def _run(axes: dict, devices=None, steps: int = 3, grad_accum: int = 1,
          sum_in_backward: bool = False):
     mesh = jaxmp.make_mesh(axes, devices)
     tx, sched = make_optimizer(OPT, 10), make_schedule(OPT, 10)
     layout = plan_state(gpt_fn(), tx, mesh)
     state = init_state(layout, gpt_fn(), tx, seed=0)
-    batch = batch or lm_batch()
+    batch = lm_batch(batch=16)  # 16: what grad_accum=4 splits over 4 batch shards
     gbatch = jax.device_put(batch, batch_sharding(layout, jaxmp.rules.DEFAULT_RULES, batch))
     grad_fn = jax.jit(make_grad_fn(layout, lm_loss, grad_accum,
                                    sum_in_backward=sum_in_backward))
@@ -47,6 +50,14 @@ def reference():
     return _run({}, one_device())
 
 
+@functools.cache
+def _d2f2t2(grad_accum: int = 1):
+    """3 steps on data2 x fsdp2 x tensor2 (batch 16), run once per module for the tests that
+    compare against it: the sharded-step equivalence (grad_accum 1), full batch against
+    accumulation, accumulation against the sum in the backward (grad_accum 4)."""
+    return _run(D2F2T2, grad_accum=grad_accum)
+
+
 def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
@@ -54,7 +65,7 @@ def _leaves(tree):
 @pytest.mark.parametrize("axes", MESHES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
 def test_sharded_step_equals_single_device(axes, reference):
     ref_loss, ref_grads, ref_state, ref_losses, _ = reference
-    loss, grads, state, losses, _ = _run(axes)
+    loss, grads, state, losses, _ = _d2f2t2() if axes == D2F2T2 else _run(axes)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
     for g, r in zip(_leaves(grads), _leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
@@ -79,9 +90,7 @@ def test_state_is_born_sharded_under_fsdp():
 
 
 def test_grad_accumulation_equals_full_batch():
-    batch = lm_batch(batch=16)
-    full = _run({"data": 2, "fsdp": 2, "tensor": 2}, steps=2, batch=batch)
-    accum = _run({"data": 2, "fsdp": 2, "tensor": 2}, steps=2, grad_accum=4, batch=batch)
+    full, accum = _d2f2t2(), _d2f2t2(grad_accum=4)
     np.testing.assert_allclose(float(accum[0]), float(full[0]), rtol=1e-6)
     for a, f in zip(_leaves(accum[1]), _leaves(full[1]), strict=True):
         np.testing.assert_allclose(a, f, rtol=1e-5, atol=1e-7)
@@ -102,9 +111,8 @@ def test_sum_in_backward_equals_accumulation_and_drops_the_microbatch_gradient()
     """Microbatch gradients added into the float32 sum inside the backward (jaxmp.gradsum):
     the same loss, gradients and params after 3 steps, and the compiled temporaries lose the
     microbatch's whole gradient of the layer stack."""
-    axes, batch = {"data": 2, "fsdp": 2, "tensor": 2}, lm_batch(batch=16)
-    plain = _run(axes, grad_accum=4, batch=batch)
-    into = _run(axes, grad_accum=4, batch=batch, sum_in_backward=True)
+    plain = _d2f2t2(grad_accum=4)
+    into = _run(D2F2T2, grad_accum=4, sum_in_backward=True)
     np.testing.assert_allclose(float(into[0]), float(plain[0]), rtol=1e-6)
     for a, p in zip(_leaves(into[1]), _leaves(plain[1]), strict=True):
         np.testing.assert_allclose(a, p, rtol=1e-6, atol=1e-8)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FAST_COMPILE_FLAGS
 from helpers import write_corpus
 
 TINY = ["--set", "model.layers=2", "--set", "model.d_model=32", "--set", "model.heads=4",
@@ -21,7 +22,7 @@ TINY = ["--set", "model.layers=2", "--set", "model.d_model=32", "--set", "model.
 
 def jaxmp(*args: str) -> str:
     r = subprocess.run([sys.executable, "-m", "jaxmp.cli", *args], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "XLA_FLAGS": ""})
+                       timeout=300, env={**os.environ, "XLA_FLAGS": FAST_COMPILE_FLAGS})
     assert r.returncode == 0, (args, r.stderr[-3000:])
     return r.stdout
 

@@ -22,12 +22,12 @@ from flax import nnx
 # private, but the one tracer-level dead-code pass (it follows pjit and custom rules inside)
 from jax._src.interpreters.partial_eval import dce_jaxpr
 
-from jaxmp import sharding
 from jaxmp.cost import flops as F
 from jaxmp.cost.fusion import kept_values
 from jaxmp.cost.liveness import Timeline, backward_timeline
 from jaxmp.cost.splits import Names, var_names
 from jaxmp.cost.trace import LayerCall
+from jaxmp.sharding.tree import unbox
 from jaxmp.cost.traffic import count as count_traffic
 from jaxmp.cost.traffic import linear
 from jaxmp.remat import checkpointed, keeps_layer, stashed
@@ -197,9 +197,7 @@ def input_names(call: LayerCall, n_inputs: int) -> list[Names | None]:
     state's other variables, the cotangents and the activations: whole)."""
     params = []
     for x in jax.tree.leaves(call.params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        names = sharding.names_of(x)[0] if isinstance(x, nnx.Variable) else None
-        value = (x.get_value() if hasattr(x, "get_value") else x.value) \
-            if isinstance(x, nnx.Variable) else x
+        value, names, _ = unbox(x)
         rank = len(np.shape(value))
         if names is not None and len(names) > rank:  # one block of a stack: no "layers" dim
             names = tuple(n for n in names if n != STACK_NAME)
@@ -210,13 +208,14 @@ def input_names(call: LayerCall, n_inputs: int) -> list[Names | None]:
 
 def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, staged: bool = False,
                     outputs: list | None = None
-                    ) -> tuple[Any, list, list, Timeline, Timeline, list, list]:
+                    ) -> tuple[Any, list, list, Timeline | None, Timeline | None, list, list]:
     """The traced program, the residuals it keeps, those that survive fusion, the peak
     bytes its backward pass needs beyond them (see :mod:`jaxmp.cost.liveness`), its forward
     pass as a loop body runs it (the fused residuals live to its end, where they are copied
     into their stacks; the loop-invariant values hoisted before it), and the residuals' and
     survivors' per-dim parameter names (:mod:`jaxmp.cost.splits`);
-    ``outputs``: the layer's :func:`_outputs` at ``arrays``, if known."""
+    ``outputs``: the layer's :func:`_outputs` at ``arrays``, if known. ``staged`` (what a
+    pipeline's stash keeps): no timelines, which only a layer loop's model reads."""
     run, keep = _vjp_program(call, policy, staged)
     outputs = _outputs(call, arrays) if outputs is None else outputs
     cts = _cotangents(outputs)
@@ -226,6 +225,11 @@ def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, stage
     varying = _input_dependent(jaxpr.jaxpr)  # (a pipeline's stash is no scan: keeps them all)
     residuals = [v for v, k in zip(outvars[len(outvars) - len(keep):], keep)
                  if k and (staged or isinstance(v, jax.extend.core.Literal) or v in varying)]
+    names_in = input_names(call, len(invars))
+    names = var_names(jaxpr, names_in)
+    res_names = [_names_of(names, v) for v in residuals]
+    if staged:
+        return jaxpr, [v.aval for v in residuals], [], None, None, res_names, []
     n_state = len(jax.tree.leaves((call.params, call.rest)))
     n_out = len(outputs)
     n_pgrad = len(jax.tree.leaves(call.params))
@@ -236,7 +240,6 @@ def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, stage
     fused = kept_values(jaxpr, residuals, exclude=invars[:n_state], forward_end=forward_end)
     # the invariant residuals are no layer's saved activations: one copy, live in its backward
     accounted = list(outvars[:n_out + n_pgrad]) + residuals
-    names_in = input_names(call, len(invars))
     transient = backward_timeline(jaxpr, exclude=accounted,
                                   live_inputs=invars[n_state:n_state + len(cts)],
                                   primal_outputs=outvars[:n_out], rows=rows,
@@ -248,9 +251,8 @@ def _residual_avals(call: LayerCall, policy: str, arrays: list, rows: int, stage
     forward = backward_timeline(jaxpr, exclude=[v for v in stored if id(v) not in anchors],
                                 primal_outputs=outvars[:n_out], rows=rows, kept=fused,
                                 hoist=True, input_names=names_in)
-    names = var_names(jaxpr, names_in)
     return (jaxpr, [v.aval for v in residuals], [v.aval for v in fused], transient, forward,
-            [_names_of(names, v) for v in residuals], [_names_of(names, v) for v in fused])
+            res_names, [_names_of(names, v) for v in fused])
 
 
 def analyse_layer(call: LayerCall, rows: int, policies: Sequence[str]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from jax.extend import core as jcore
 from jaxmp._util.arrays import nbytes as _nbytes
 from jaxmp.cost import flops as F
 from jaxmp.cost.fusion import _fusible
-from jaxmp.cost.splits import INLINE, Names, propagate, whole
+from jaxmp.cost.splits import Names, propagate, subprogram, whole
 
 
 @dataclass
@@ -63,8 +63,8 @@ class _Flat:
             full = f"{stack}/{own}" if stack and own else (stack or own)
             ins = [env[v] for v in eqn.invars if not isinstance(v, jcore.Literal) and v in env]
             subs = F._sub_jaxprs(eqn)
-            if eqn.primitive.name in INLINE and subs:
-                sub = subs[0][0]
+            sub = subprogram(eqn)
+            if sub is not None:
                 inner = {sv: env[ov] for sv, ov in zip(sub.invars, eqn.invars)
                          if not isinstance(ov, jcore.Literal) and ov in env}
                 for sv in sub.invars:

@@ -103,7 +103,7 @@ def names_of(variable: nnx.Variable, where: str = "") -> tuple[Names | None, str
     return None, ""
 
 
-def _unbox(x: Any, path: str) -> tuple[Any, Names | None, str]:
+def unbox(x: Any, path: str = "") -> tuple[Any, Names | None, str]:
     """The array inside a leaf, the names in its metadata, and where they came from."""
     if isinstance(x, nnx.Variable):
         value = x.get_value() if hasattr(x, "get_value") else x.value
@@ -140,7 +140,7 @@ def tree_leaves(tree: Any, path_rules: Sequence[PathRule] | None = None) -> tupl
     leaves = []
     for keys, x in flat:
         path = "/".join(_key_str(k) for k in keys)
-        value, names, source = _unbox(x, path)
+        value, names, source = unbox(x, path)
         for regex, rule_names, pattern in compiled:
             if regex.search(path):
                 names, source = rule_names, f"path rule {pattern!r}"

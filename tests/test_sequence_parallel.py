@@ -155,7 +155,9 @@ def test_sequence_parallel_step_equals_one_device(axes, microbatches, extra, ref
     with the projections as ring collective matmuls (``model.collective_matmul``, which
     "auto" turns on only on GPUs: jaxmp.sharding.ring), also inside the reducer's shard_map
     over data (optimizer state sharded over data)."""
-    _equals_reference(axes, microbatches, extra, reference)
+    trainer = _equals_reference(axes, microbatches, extra, reference)
+    assert trainer.plan.layout.sequence_parallel
+    assert trainer.executed_layout() == trainer.plan.layout
 
 
 @pytest.mark.parametrize("axes", [(2, 2, 1, 2), (2, 1, 1, 4)],
@@ -165,15 +167,25 @@ def test_gpu_program_gathering_once_equals_one_device(axes, reference, monkeypat
     and a row matmul's output gradient once for both its products
     (jaxmp.sharding.ring.gathered_once), in pipeline stages and out."""
     monkeypatch.setattr(ring, "GPU_PLATFORMS", (*ring.GPU_PLATFORMS, "cpu"))
-    _equals_reference(axes, "auto", (), reference)
+    gathered, once = [], ring._once
+
+    def recorded(x, names):
+        gathered.append(once(x, names))
+        return gathered[-1]
+
+    monkeypatch.setattr(ring, "_once", recorded)
+    trainer = _equals_reference(axes, "auto", (), reference)
+    assert trainer.plan.layout.sequence_parallel
+    assert trainer.executed_layout() == trainer.plan.layout
+    assert any(gathered)  # the step was traced through gathered_once's gather
 
 
 def _equals_reference(axes, microbatches, extra, reference):
+    """The trainer for ``axes`` with sequence parallelism, after asserting its three steps
+    equal the one-device reference's (loss, losses, gradients, parameters)."""
     sets = [f"mesh.{a}={n}" for a, n in zip(AXES, axes)] + [
         "train.sequence_parallel=true", f"train.microbatches={microbatches}", *extra]
     trainer = _trainer(*sets)
-    assert trainer.plan.layout.sequence_parallel
-    assert trainer.executed_layout() == trainer.plan.layout
     ref_loss, ref_grads, ref_params, ref_losses = reference
     loss, grads, params, losses = _three_steps(trainer)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
@@ -182,6 +194,7 @@ def _equals_reference(axes, microbatches, extra, reference):
         for g, r in zip(jax.tree.leaves(_pure(got)), jax.tree.leaves(_pure(ref)), strict=True):
             r = np.asarray(r)
             np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
+    return trainer
 
 
 # ---------------------------------------------------------------- a research model
